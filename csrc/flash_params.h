@@ -1,0 +1,66 @@
+// FlashParams: the one record handed from the torch binding to the CUDA kernels.
+//
+// Filled once in torch-ext/torch_binding.cpp, read by every launcher and kernel. Plain C++ (no CUDA
+// or torch headers) so the binding, the host launchers and the device code share it.
+//
+// Glossary
+//   B, Hq, Hkv   batch size, query heads, key/value heads (GQA: query head h reads kv head
+//                h / (Hq / Hkv); K and V are never expanded)
+//   Sq, Sk       longest query / key sequence (batched: the sizes; varlen: the bounds)
+//   rows         the token axis of a tensor: Sq or Sk per batch (batched), Tq or Tk (varlen)
+//   d            the head dimension of the inputs (multiple of 8, at most 256)
+//   window       bottom-right aligned band: key j is visible from query i iff
+//                (left < 0 or j >= i + Sk - Sq - left) and (right < 0 or j <= i + Sk - Sq + right);
+//                causal is window_right == 0
+#pragma once
+
+#include <cstdint>
+
+namespace flash {
+
+struct FlashParams {
+  // Inputs; element strides (the last dimension has stride 1). In varlen mode the batch strides
+  // are 0 and rows are found through cu_seqlens.
+  const void* q;
+  const void* k;
+  const void* v;
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  int64_t k_batch_stride, k_row_stride, k_head_stride;
+  int64_t v_batch_stride, v_row_stride, v_head_stride;
+
+  // Outputs: out like q, lse float32 (B, Hq, Sq) or (Hq, Tq).
+  void* out;
+  float* lse;
+  int64_t out_batch_stride, out_row_stride, out_head_stride;
+  int64_t lse_batch_stride, lse_head_stride;
+
+  // Varlen (both null in batched mode) and sinks (null when absent): device pointers.
+  const int32_t* cu_seqlens_q;
+  const int32_t* cu_seqlens_k;
+  const float* s_aux;  // (Hq,) one logit per query head
+
+  int batch, heads_q, heads_kv, head_dim;
+  int seqlen_q, seqlen_k;  // Sq / Sk (batched sizes, or varlen maxima)
+  int rows_q, rows_k;      // extent of the token axis: Sq / Sk batched, Tq / Tk varlen
+
+  float scale;   // softmax scale
+  float softcap; // 0 = off
+  int window_left, window_right;  // -1 = unbounded
+
+  bool is_bf16;  // else fp16
+};
+
+// Outcome of a launch request. Anything but kOk means nothing was launched.
+enum class FwdStatus : int {
+  kOk = 0,
+  kNoKernelForArch,   // not an sm90 device, or this binary was built without sm90a
+  kUnsupportedShape,  // head dim / dtype outside the compiled set
+  kMisaligned,        // a base pointer or stride violates the 16-byte rule of the copy engine
+  kLaunchFailed,      // the CUDA runtime refused (the message says why)
+};
+
+// Runs the sm90 forward on `stream` (a cudaStream_t). On failure returns the status and writes a
+// readable reason into `why` (at most why_len bytes, NUL-terminated).
+FwdStatus hopper_fwd(const FlashParams& params, void* stream, char* why, int why_len);
+
+}  // namespace flash

@@ -1,0 +1,329 @@
+// sm90a forward attention kernel: one CTA = one (query block, query head, batch) tile.
+//
+// Glossary
+//   producer     warpgroup 0: one elected thread issues every copy-engine (TMA) load; the
+//                warpgroup keeps few registers (setmaxnreg) and its other warps leave at once
+//   consumers    warpgroups 1 and 2: each owns 64 query rows of the tile and runs
+//                S = Q K^T (SS wgmma), masking/softcap hooks, online softmax, O += P V (RS wgmma)
+//   stage        one slot of the K ring and one of the V ring (kStages deep); `full_*` barriers
+//                count the bytes the copy engine lands, `empty_*` barriers count the consumer
+//                threads that finished reading the slot
+//   phase        the parity bit of a ring slot's barrier, flipped each time the ring wraps
+//   q_start/k_start  first token of this sequence on the token axis (varlen), else 0
+//
+// Key blocks are visited from the last visible one down to the first, so the partial blocks at
+// the sequence end (and the diagonal) come first; each block is masked only when its rectangle
+// touches an invisible element (BandMask::needs_mask), so interior blocks pay nothing.
+//
+// [Note] Barrier protocol
+// full_k[s]/full_v[s]: init count 1; the producer arrives once with the expected byte count and
+// the loads complete the transaction. empty_k[s]/empty_v[s]: init count = all consumer threads;
+// each arrives after its wgmma that read the slot has retired (warpgroup_wait<0>). The producer
+// waits empty with the opposite parity, so the first pass through the ring does not block.
+// Q has its own barrier, loaded once even when no key block is visible (the consumers always
+// wait on it, then write zeros and -inf/s_aux).
+#pragma once
+
+#include <cuda.h>
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "../flash_params.h"
+#include "kernel_traits.h"
+#include "softmax.h"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FLASH_HOPPER_DEVICE_PASS 1
+#endif
+
+namespace flash::hopper {
+
+struct FwdArgs {
+  CUtensorMap tma_q;  // (d, rows_q, Hq, B) boxes of (chunk, kBlockM, 1, 1)
+  CUtensorMap tma_k;  // (d, rows_k, Hkv, B) boxes of (chunk, kBlockN, 1, 1)
+  CUtensorMap tma_v;
+  FlashParams p;
+  float scale_log2;      // scale * log2(e), or softcap * log2(e) with softcap (see softmax.h)
+  float scale_over_cap;  // scale / softcap (softcap only)
+};
+
+// Register budgets after setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536 per SM.
+constexpr int kProducerRegisters = 40;
+constexpr int kConsumerRegisters = 232;
+
+struct SeqInfo {
+  int q_start, k_start, seqlen_q, seqlen_k, tma_batch;
+
+  __device__ __forceinline__ SeqInfo(const FlashParams& p, int batch) {
+    if (p.cu_seqlens_q != nullptr) {
+      q_start = p.cu_seqlens_q[batch];
+      seqlen_q = p.cu_seqlens_q[batch + 1] - q_start;
+      k_start = p.cu_seqlens_k[batch];
+      seqlen_k = p.cu_seqlens_k[batch + 1] - k_start;
+      tma_batch = 0;
+    } else {
+      q_start = k_start = 0;
+      seqlen_q = p.seqlen_q;
+      seqlen_k = p.seqlen_k;
+      tma_batch = batch;
+    }
+  }
+};
+
+// Key blocks [n_min, n_max) that hold at least one key visible from the query rows
+// [row_lo, row_hi] (the rows of this tile that exist).
+template <class Traits>
+__device__ __forceinline__ void key_block_range(const FlashParams& p, int row_lo, int row_hi,
+                                                int seqlen_q, int seqlen_k, int& n_min, int& n_max) {
+  constexpr int N = Traits::kBlockN;
+  n_min = 0;
+  n_max = (seqlen_k + N - 1) / N;
+  if constexpr (Traits::kWindow) {
+    const int diag = seqlen_k - seqlen_q;
+    if (p.window_right >= 0) {
+      const int last_key = row_hi + diag + p.window_right;  // may be negative
+      n_max = min(n_max, last_key < 0 ? 0 : last_key / N + 1);
+    }
+    if (p.window_left >= 0) {
+      const int first_key = row_lo + diag - p.window_left;
+      n_min = first_key <= 0 ? 0 : first_key / N;
+    }
+  }
+}
+
+template <class Traits>
+struct PipelineState {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == Traits::kStages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// Issues the kChunks boxes of one (rows x kHeadDim) tile onto one barrier.
+template <class Traits>
+__device__ __forceinline__ void load_tile(const CUtensorMap* map, uint64_t* bar,
+                                          typename Traits::Element* smem, int rows, int row,
+                                          int head, int batch) {
+  CUTE_UNROLL
+  for (int c = 0; c < Traits::kChunks; ++c) {
+    cute::SM90_TMA_LOAD_4D::copy(map, bar, static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL),
+                                 smem + c * rows * Traits::kChunk, c * Traits::kChunk, row, head,
+                                 batch);
+  }
+}
+
+// One warpgroup GEMM, issued and retired: c (+)= a * b over all K slices.
+template <bool kZeroInit, class Mma, class TA, class TB, class TC>
+__device__ __forceinline__ void warpgroup_gemm(Mma& mma, TA const& a, TB const& b, TC& c) {
+  using namespace cute;
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  mma.accumulate_ = kZeroInit ? gmma::ScaleOut::Zero : gmma::ScaleOut::One;
+  CUTE_UNROLL
+  for (int kb = 0; kb < size<2>(a); ++kb) {
+    cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
+    mma.accumulate_ = gmma::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(c);
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_constant__ FwdArgs args) {
+#if defined(FLASH_HOPPER_DEVICE_PASS)
+  using namespace cute;
+  using Element = typename Traits::Element;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  constexpr int M = Traits::kBlockM, N = Traits::kBlockN, D = Traits::kHeadDim, S = Traits::kStages;
+  const FlashParams& p = args.p;
+
+  const int m_block = int(gridDim.x) - 1 - int(blockIdx.x);  // longest causal tiles first
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const SeqInfo seq(p, batch);
+  if (m_block * M >= seq.seqlen_q) return;  // varlen: this sequence is shorter than the grid
+  const int kv_head = head / (p.heads_q / p.heads_kv);
+  int n_min, n_max;
+  key_block_range<Traits>(p, m_block * M, min(m_block * M + M, seq.seqlen_q) - 1, seq.seqlen_q,
+                          seq.seqlen_k, n_min, n_max);
+
+  extern __shared__ char smem_raw[];
+  char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  Element* smem_q = reinterpret_cast<Element*>(smem);
+  Element* smem_k = reinterpret_cast<Element*>(smem + Traits::kOffsetK);
+  Element* smem_v = reinterpret_cast<Element*>(smem + Traits::kOffsetV);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Traits::kOffsetBarriers);
+  uint64_t* bar_q = bars;
+  uint64_t* full_k = bars + 1;
+  uint64_t* full_v = full_k + S;
+  uint64_t* empty_k = full_v + S;
+  uint64_t* empty_v = empty_k + S;
+
+  const int warpgroup = threadIdx.x / 128;
+  const int warp = (threadIdx.x / 32) % 4;  // inside the warpgroup
+  const int lane = threadIdx.x % 32;
+
+  if (threadIdx.x == 0) {
+    Barrier::init(bar_q, 1);
+    CUTE_UNROLL
+    for (int s = 0; s < S; ++s) {
+      Barrier::init(&full_k[s], 1);
+      Barrier::init(&full_v[s], 1);
+      Barrier::init(&empty_k[s], Traits::kConsumerThreads);
+      Barrier::init(&empty_v[s], Traits::kConsumerThreads);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
+    if (warp != 0 || !elect_one_sync()) return;
+    prefetch_tma_descriptor(&args.tma_q);
+    prefetch_tma_descriptor(&args.tma_k);
+    prefetch_tma_descriptor(&args.tma_v);
+    Barrier::arrive_and_expect_tx(bar_q, Traits::kTileBytesQ);
+    load_tile<Traits>(&args.tma_q, bar_q, smem_q, M, seq.q_start + m_block * M, head, seq.tma_batch);
+    PipelineState<Traits> st;
+    for (int n = n_max - 1; n >= n_min; --n) {
+      const int row = seq.k_start + n * N;
+      Barrier::wait(&empty_k[st.stage], st.phase ^ 1u);
+      Barrier::arrive_and_expect_tx(&full_k[st.stage], Traits::kTileBytesKV);
+      load_tile<Traits>(&args.tma_k, &full_k[st.stage], smem_k + st.stage * N * D, N, row, kv_head,
+                        seq.tma_batch);
+      Barrier::wait(&empty_v[st.stage], st.phase ^ 1u);
+      Barrier::arrive_and_expect_tx(&full_v[st.stage], Traits::kTileBytesKV);
+      load_tile<Traits>(&args.tma_v, &full_v[st.stage], smem_v + st.stage * N * D, N, row, kv_head,
+                        seq.tma_batch);
+      st.advance();
+    }
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
+  const int wg = warpgroup - 1;
+  const int tid = threadIdx.x % 128;
+  typename Traits::MmaS mma_s;
+  typename Traits::MmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(tid);
+  auto thr_o = mma_o.get_thread_slice(tid);
+
+  Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutQ{});
+  Tensor sQw = local_tile(sQ, Shape<_64, Int<D>>{}, make_coord(wg, 0));
+  Tensor sK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutV{});
+  Tensor tSrQ = thr_s.partition_fragment_A(sQw);  // (MMA, 1, D/16) descriptors
+  Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, 1, D/16, S)
+  Tensor tOrV = thr_o.partition_fragment_B(sV);   // (MMA, 1, N/16, S)
+  Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, Int<N>>{});
+  Tensor tOrO = partition_fragment_C(mma_o, Shape<_64, Int<D>>{});
+  static_assert(decltype(size<0, 2>(tSrS))::value == N / 8, "accumulator layout ((2,2,N/8),1,1)");
+
+  const int row_lo = m_block * M + wg * Traits::kRowsPerWarpgroup;  // this warpgroup's rows
+  const int row0 = row_lo + 16 * warp + lane / 4;                    // this thread's first row
+  const int col_lane = 2 * (lane % 4);
+  const BandMask<Traits::kWindow> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left,
+                                       p.window_right};
+  const ScoreMod<Traits::kSoftcap> score_mod{args.scale_over_cap};
+  OnlineSoftmax softmax;
+  softmax.init();
+  clear(tOrO);
+  mma_o.accumulate_ = gmma::ScaleOut::One;
+
+  Tensor tOrP = make_tensor<Element>(AOperandShape<N / 8>{});
+  float corr[2];
+  // Scores of key block n, already in tSrS: hooks, mask when the block needs it, softmax.
+  auto scores_to_probs = [&](int n) {
+    score_mod.apply(tSrS);
+    if (mask.needs_mask(row_lo, row_lo + Traits::kRowsPerWarpgroup - 1, n * N, n * N + N - 1)) {
+      mask.apply(tSrS, row0, n * N + col_lane);
+    }
+    softmax.update(tSrS, args.scale_log2, corr);
+  };
+
+  Barrier::wait(bar_q, 0);
+  PipelineState<Traits> st_k;  // slot of the block whose scores are computed next
+  PipelineState<Traits> st_v;  // slot of the block whose P V is added next
+  int n = n_max - 1;
+  if (n >= n_min) {
+    Barrier::wait(&full_k[st_k.stage], st_k.phase);
+    warpgroup_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, st_k.stage), tSrS);
+    Barrier::arrive(&empty_k[st_k.stage]);
+    scores_to_probs(n);
+    to_a_operand(tSrS, tOrP);
+    st_k.advance();
+    // [Note] Overlap inside a warpgroup: the scores of block n are issued before the P V of
+    // block n+1, and the softmax of block n runs while that P V is on the tensor cores. O is
+    // rescaled by block n's correction only after the P V has retired (it writes O).
+    for (--n; n >= n_min; --n) {
+      Barrier::wait(&full_k[st_k.stage], st_k.phase);
+      warpgroup_fence_operand(tSrS);
+      warpgroup_arrive();
+      mma_s.accumulate_ = gmma::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+        cute::gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, st_k.stage), tSrS);
+        mma_s.accumulate_ = gmma::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      Barrier::wait(&full_v[st_v.stage], st_v.phase);
+      warpgroup_fence_operand(tOrO);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tOrP); ++kb) {
+        cute::gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, st_v.stage), tOrO);
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();  // scores of block n are in
+      warpgroup_fence_operand(tSrS);
+      Barrier::arrive(&empty_k[st_k.stage]);
+      scores_to_probs(n);
+      warpgroup_wait<0>();  // P V of block n+1 is in
+      warpgroup_fence_operand(tOrO);
+      Barrier::arrive(&empty_v[st_v.stage]);
+      OnlineSoftmax::rescale(tOrO, corr);
+      to_a_operand(tSrS, tOrP);
+      st_k.advance();
+      st_v.advance();
+    }
+    Barrier::wait(&full_v[st_v.stage], st_v.phase);
+    warpgroup_gemm<false>(mma_o, tOrP, tOrV(_, _, _, st_v.stage), tOrO);
+    Barrier::arrive(&empty_v[st_v.stage]);
+  }
+
+  const float sink_log2 = p.s_aux != nullptr ? p.s_aux[head] * kLog2e : -INFINITY;
+  float lse[2];
+  softmax.finalize(tOrO, args.scale_log2, sink_log2, lse);
+
+  Element* out = static_cast<Element*>(p.out) + int64_t(batch) * p.out_batch_stride +
+                 int64_t(head) * p.out_head_stride;
+  float* lse_out = p.lse + int64_t(batch) * p.lse_batch_stride + int64_t(head) * p.lse_head_stride;
+  CUTE_UNROLL
+  for (int c1 = 0; c1 < 2; ++c1) {
+    const int row = row0 + 8 * c1;
+    if (row >= seq.seqlen_q) continue;
+    Element* out_row = out + int64_t(seq.q_start + row) * p.out_row_stride;
+    CUTE_UNROLL
+    for (int g = 0; g < D / 8; ++g) {
+      const int col = 8 * g + col_lane;
+      if (col < p.head_dim) {
+        // col is even and head_dim a multiple of 8: the pair is in range together
+        __align__(4) Element pair[2] = {Element(tOrO(make_coord(0, c1, g), 0, 0)),
+                                        Element(tOrO(make_coord(1, c1, g), 0, 0))};
+        *reinterpret_cast<uint32_t*>(out_row + col) = *reinterpret_cast<uint32_t*>(pair);
+      }
+    }
+    if (lane % 4 == 0) lse_out[seq.q_start + row] = lse[c1];
+  }
+#endif
+}
+
+}  // namespace flash::hopper

@@ -1,0 +1,140 @@
+// Host side of one forward instantiation: copy-engine descriptors, shared-memory opt-in, launch.
+//
+// The tensor maps describe each input as 4-D (d, rows, heads, batch) with byte strides, so every
+// stride pattern with stride(-1) == 1 is served as is (transposed views included). Varlen packs
+// all sequences on the rows axis (batch extent 1) and the kernel offsets rows by cu_seqlens.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
+#include <cstdio>
+
+#include "../flash_params.h"
+#include "fwd_kernel.h"
+#include "fwd_run.h"
+
+namespace flash::hopper {
+
+using EncodeTiledFn = PFN_cuTensorMapEncodeTiled_v12000;
+
+// The driver entry point, looked up once through the runtime (no link against libcuda).
+inline EncodeTiledFn encode_tiled_fn() {
+  static EncodeTiledFn fn = []() -> EncodeTiledFn {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                         &status) != cudaSuccess ||
+        status != cudaDriverEntryPointSuccess) {
+      return nullptr;
+    }
+    return reinterpret_cast<EncodeTiledFn>(ptr);
+  }();
+  return fn;
+}
+
+struct TensorView4d {
+  const void* base;
+  uint64_t dims[4];     // d, rows, heads, batch
+  int64_t strides[3];   // elements: row, head, batch
+};
+
+// Builds one tensor map; returns false (with a reason) when the copy engine cannot address it.
+template <class Traits>
+bool make_tensor_map(CUtensorMap* map, const TensorView4d& t, int box_rows, const char* name,
+                     char* why, int why_len) {
+  constexpr uint64_t kElem = sizeof(typename Traits::Element);
+  if (reinterpret_cast<uintptr_t>(t.base) % 16 != 0) {
+    std::snprintf(why, why_len, "%s: data pointer is not 16-byte aligned", name);
+    return false;
+  }
+  uint64_t strides[3];
+  uint64_t natural = t.dims[0] * kElem;  // stride a packed tensor would have; used for extent-1 dims
+  for (int i = 0; i < 3; ++i) {
+    const bool unit = t.dims[i + 1] == 1;
+    const int64_t s = t.strides[i];
+    if (!unit && (s <= 0 || (uint64_t(s) * kElem) % 16 != 0 || uint64_t(s) * kElem >= (1ull << 40))) {
+      std::snprintf(why, why_len,
+                    "%s: stride %lld of dim %d is not a positive multiple of 16 bytes below 2^40",
+                    name, static_cast<long long>(s), i + 1);
+      return false;
+    }
+    natural = (natural + 15) / 16 * 16;
+    strides[i] = unit ? natural : uint64_t(s) * kElem;
+    natural = strides[i] * t.dims[i + 1];
+  }
+  const cuuint32_t box[4] = {cuuint32_t(Traits::kChunk), cuuint32_t(box_rows), 1, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUtensorMapSwizzle swizzle = Traits::kSwizzleBytes == 128  ? CU_TENSOR_MAP_SWIZZLE_128B
+                                     : Traits::kSwizzleBytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                                                   : CU_TENSOR_MAP_SWIZZLE_32B;
+  const CUtensorMapDataType dtype = std::is_same_v<typename Traits::Element, cutlass::bfloat16_t>
+                                        ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  EncodeTiledFn encode = encode_tiled_fn();
+  if (encode == nullptr) {
+    std::snprintf(why, why_len, "cuTensorMapEncodeTiled is not available from the driver");
+    return false;
+  }
+  const CUresult r = encode(map, dtype, 4, const_cast<void*>(t.base), t.dims, strides, box,
+                            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    std::snprintf(why, why_len, "%s: cuTensorMapEncodeTiled failed with CUresult %d", name, int(r));
+    return false;
+  }
+  return true;
+}
+
+template <class Traits>
+FwdStatus launch_fwd(const FlashParams& p, cudaStream_t stream, char* why, int why_len) {
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const uint64_t batch_extent = varlen ? 1 : uint64_t(p.batch);
+  const uint64_t d = uint64_t(p.head_dim);
+  FwdArgs args;
+  args.p = p;
+  const TensorView4d q{p.q, {d, uint64_t(p.rows_q), uint64_t(p.heads_q), batch_extent},
+                       {p.q_row_stride, p.q_head_stride, p.q_batch_stride}};
+  const TensorView4d k{p.k, {d, uint64_t(p.rows_k), uint64_t(p.heads_kv), batch_extent},
+                       {p.k_row_stride, p.k_head_stride, p.k_batch_stride}};
+  const TensorView4d v{p.v, {d, uint64_t(p.rows_k), uint64_t(p.heads_kv), batch_extent},
+                       {p.v_row_stride, p.v_head_stride, p.v_batch_stride}};
+  if (!make_tensor_map<Traits>(&args.tma_q, q, Traits::kBlockM, "q", why, why_len) ||
+      !make_tensor_map<Traits>(&args.tma_k, k, Traits::kBlockN, "k", why, why_len) ||
+      !make_tensor_map<Traits>(&args.tma_v, v, Traits::kBlockN, "v", why, why_len)) {
+    return FwdStatus::kMisaligned;
+  }
+  if (Traits::kSoftcap) {
+    args.scale_log2 = p.softcap * kLog2e;
+    args.scale_over_cap = p.scale / p.softcap;
+  } else {
+    args.scale_log2 = p.scale * kLog2e;
+    args.scale_over_cap = 0.f;
+  }
+
+  auto kernel = fwd_kernel<Traits>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         Traits::kSmemBytes);
+  if (err == cudaSuccess) {
+    const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
+    kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
+    err = cudaGetLastError();
+  }
+  if (err != cudaSuccess) {
+    std::snprintf(why, why_len, "hopper forward launch failed: %s", cudaGetErrorString(err));
+    return FwdStatus::kLaunchFailed;
+  }
+  return FwdStatus::kOk;
+}
+
+}  // namespace flash::hopper
+
+namespace flash::hopper {
+
+template <class Element, int kHeadDim, bool kWindow, bool kSoftcap>
+FwdStatus run_fwd(const FlashParams& p, cudaStream_t stream, char* why, int why_len) {
+  return launch_fwd<FwdTraits<Element, kHeadDim, kWindow, kSoftcap>>(p, stream, why, why_len);
+}
+
+}  // namespace flash::hopper

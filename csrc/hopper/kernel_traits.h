@@ -1,0 +1,111 @@
+// Compile-time shape of one forward instantiation: tiles, shared-memory layouts, warpgroup GEMMs.
+//
+// Glossary
+//   kBlockM      query rows per CTA: two consumer warpgroups of 64 rows each
+//   kBlockN      keys per pipeline stage
+//   kHeadDim     head dim the kernel is compiled for (inputs with d <= kHeadDim run on it; the
+//                copy engine zero-fills columns d..kHeadDim, which add nothing to Q.K nor to O)
+//   chunk        columns of one copy-engine box: one swizzle row (128, 64 or 32 bytes)
+//   S = Q K^T    scores, fp32 in registers (SS GEMM: both operands in shared memory)
+//   O += P V     output, fp32 in registers (RS GEMM: P from registers, V from shared memory)
+//
+// [Note] Shared-memory layouts and the copy engine
+// Q and K tiles are (rows, kHeadDim), K-major; the V tile is viewed as (kHeadDim, kBlockN),
+// MN-major, which is the same bytes as its (kBlockN, kHeadDim) rows: the PV GEMM reads V
+// transposed through the descriptor, so V is never transposed in memory. All three are tiled
+// from the hardware's swizzle atoms (8 rows x one swizzle row) with the atoms of one column chunk
+// stacked down all rows first; that is exactly what one copy-engine box of (chunk columns x rows)
+// writes with the matching swizzle mode, so a tile is `chunks` boxes placed `rows * chunk`
+// elements apart. csrc/hopper/layout_check.cu checks this equivalence element by element.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "tile_sizes.h"
+
+namespace flash::hopper {
+
+namespace gmma = cute::SM90::GMMA;
+
+template <int kSwizzleBytes, class T>
+struct SwizzleAtoms;
+template <class T>
+struct SwizzleAtoms<128, T> {
+  using K = gmma::Layout_K_SW128_Atom<T>;
+  using MN = gmma::Layout_MN_SW128_Atom<T>;
+};
+template <class T>
+struct SwizzleAtoms<64, T> {
+  using K = gmma::Layout_K_SW64_Atom<T>;
+  using MN = gmma::Layout_MN_SW64_Atom<T>;
+};
+template <class T>
+struct SwizzleAtoms<32, T> {
+  using K = gmma::Layout_K_SW32_Atom<T>;
+  using MN = gmma::Layout_MN_SW32_Atom<T>;
+};
+
+template <class Element_, int kHeadDim_, bool kWindow_, bool kSoftcap_>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kWindow = kWindow_;    // causal or sliding window: band masking compiled in
+  static constexpr bool kSoftcap = kSoftcap_;  // s = cap * tanh(s / cap) compiled in
+
+  using Tile = TileSize<kHeadDim>;
+  static constexpr int kBlockM = Tile::kBlockM;
+  static constexpr int kBlockN = Tile::kBlockN;
+  static constexpr int kStages = Tile::kStages;
+
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kRowsPerWarpgroup = 64;
+  static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static_assert(kBlockM == kRowsPerWarpgroup * kConsumerWarpgroups, "one 64-row slice per consumer");
+  static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "GEMM K extents are multiples of 16");
+
+  static constexpr int kSwizzleBytes = kHeadDim % 64 == 0 ? 128 : kHeadDim % 32 == 0 ? 64 : 32;
+  static constexpr int kChunk = kSwizzleBytes / int(sizeof(Element));
+  static constexpr int kChunks = kHeadDim / kChunk;
+  static_assert(kHeadDim % kChunk == 0, "head dim is a whole number of swizzle rows");
+
+  using AtomK = typename SwizzleAtoms<kSwizzleBytes, Element>::K;
+  using AtomMN = typename SwizzleAtoms<kSwizzleBytes, Element>::MN;
+
+  using SmemLayoutQ = decltype(cute::tile_to_shape(
+      AtomK{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutK = decltype(cute::tile_to_shape(
+      AtomK{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  // (kHeadDim, kBlockN, stage); key-rows mode first in the atom order so that one column chunk
+  // covers all rows contiguously, as the copy engine writes it.
+  using SmemLayoutV = decltype(cute::tile_to_shape(
+      AtomMN{}, cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{},
+      cute::Step<cute::_2, cute::_1, cute::_3>{}));
+
+  using MmaS = decltype(cute::make_tiled_mma(
+      gmma::ss_op_selector<Element, Element, float,
+                           cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>()));
+  using MmaO = decltype(cute::make_tiled_mma(
+      gmma::rs_op_selector<Element, Element, float,
+                           cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockN>>,
+                           gmma::Major::K, gmma::Major::MN>()));
+
+  static constexpr int kTileBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kTileBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
+
+  // Dynamic shared memory: Q, K stages, V stages, then the mbarriers; +1024 to align the base
+  // (swizzled tiles need 1024-byte alignment; the dynamic base only promises 16).
+  static constexpr int kOffsetK = kTileBytesQ;
+  static constexpr int kOffsetV = kOffsetK + kStages * kTileBytesKV;
+  static constexpr int kOffsetBarriers = kOffsetV + kStages * kTileBytesKV;
+  static constexpr int kNumBarriers = 1 + 4 * kStages;
+  static constexpr int kSmemBytes = kOffsetBarriers + 8 * kNumBarriers + 1024;
+  static_assert(kTileBytesQ % 1024 == 0 && kTileBytesKV % 1024 == 0, "tiles keep 1024-byte alignment");
+  static_assert(kSmemBytes <= 227 * 1024, "fits the sm90 per-block shared-memory limit");
+};
+
+}  // namespace flash::hopper

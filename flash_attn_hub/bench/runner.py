@@ -1,0 +1,340 @@
+"""Runs the workloads x providers x modes in one process, one after another, and turns the
+timings into long-format records (one per provider, workload, mode).
+
+Per workload: fresh random input sets (rotated so that the L2 cache never holds the next
+call's inputs), the oracle on a slice (``verify.py``), then per provider: verify, and
+only if that passes, time each mode with ``triton.testing.do_bench`` (median with the
+20th/80th percentiles; on CPU a wall-clock loop) and measure the peak memory it adds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import math
+import platform
+import subprocess
+import sys
+import time
+import warnings
+
+import numpy as np
+import torch
+
+from .. import REPO_ROOT
+from . import verify as verify_mod
+from .providers import Provider
+from .workloads import DTYPES, Workload, attention_flops, make_inputs
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass
+class Timing:
+    warmup_ms: float = 25.0
+    rep_ms: float = 100.0
+    max_sets: int = 4  # input sets rotated per measurement (small problems)
+    rotate_bytes_per_l2: int = 4  # enough sets that their inputs span this many L2s
+
+
+@dataclasses.dataclass
+class Skip:
+    provider: str
+    workload: str
+    mode: str  # "all" when the provider was skipped for the whole workload
+    reason: str
+
+
+class Rotator:
+    """Calls the given closures in turn, so consecutive calls read different inputs."""
+
+    def __init__(self, fns):
+        self._fns = fns
+        self._next = itertools.cycle(range(len(fns)))
+
+    def __call__(self):
+        return self._fns[next(self._next)]()
+
+
+def quantiles(fn, *, device: torch.device, grad_to_none, timing: Timing) -> tuple[float, float, float]:
+    """(p20, p50, p80) milliseconds of ``fn``."""
+    if device.type == "cuda":
+        import triton.testing
+        p20, p50, p80 = triton.testing.do_bench(fn, warmup=timing.warmup_ms, rep=timing.rep_ms,
+                                                grad_to_none=grad_to_none, quantiles=[0.2, 0.5, 0.8])
+        return float(p20), float(p50), float(p80)
+    fn()
+    start = time.perf_counter()
+    while (time.perf_counter() - start) * 1e3 < timing.warmup_ms:
+        fn()
+    times = []
+    while len(times) < 5 or (sum(times) < timing.rep_ms and len(times) < 1000):
+        for t in grad_to_none:
+            t.grad = None
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    p20, p50, p80 = np.quantile(np.asarray(times), [0.2, 0.5, 0.8])
+    return float(p20), float(p50), float(p80)
+
+
+def peak_memory(fn, *, device: torch.device, grad_to_none) -> int | None:
+    """Bytes allocated at the peak of one call above what was allocated before it."""
+    if device.type != "cuda":
+        return None
+    for t in grad_to_none:
+        t.grad = None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device) - base)
+
+
+def _mode_closure(mode: str, prepared: list, seed: int):
+    """The timed closure of ``mode`` over the rotated prepared sets, and the tensors whose
+    gradients are cleared between timed calls. For "bwd" the forward graphs are built
+    here, outside the timed region."""
+    leaves = [t for p in prepared for t in p.leaves]
+    if mode == "fwd":
+        return Rotator([p.fwd for p in prepared]), []
+    fns = []
+    for i, p in enumerate(prepared):
+        out = p.fwd()
+        gen = torch.Generator(device=out.device).manual_seed(seed + i)
+        dout = torch.randn(out.shape, generator=gen, device=out.device).to(out.dtype)
+        if mode == "bwd":
+            fns.append(lambda out=out, dout=dout: out.backward(dout, retain_graph=True))
+        else:
+            del out
+            fns.append(lambda p=p, dout=dout: p.fwd().backward(dout))
+    return Rotator(fns), leaves
+
+
+def _git_sha() -> str | None:
+    try:
+        sha = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short=12", "HEAD"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        return out.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def environment(device: torch.device, ours_module=None) -> dict:
+    """Machine and versions, copied into every record."""
+    def version(name):
+        try:
+            return __import__(name).__version__
+        except Exception:
+            return None
+    cuda = device.type == "cuda"
+    cudnn = torch.backends.cudnn.version() if cuda else None
+    return {
+        "gpu": torch.cuda.get_device_name(device) if cuda else f"none (CPU: {platform.processor() or platform.machine()})",
+        "driver": _driver() if cuda else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": str(cudnn) if cudnn else None,
+        "triton": version("triton"),
+        "kernels": version("kernels"),
+        "kernel_build": getattr(ours_module, "__name__", None),
+        "git_sha": _git_sha(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def make_record(w: Workload, provider: str, mode: str, dtype: str, ms, peak, errors, env) -> dict:
+    """One long-format record; ``ratio_to_best_peer`` is filled in by :func:`add_ratios`."""
+    p20, p50, p80 = ms
+    flops = attention_flops(w, mode)
+    record = {
+        "provider": provider, "workload": w.name, "grid": w.grid, "family": w.family, "mode": mode,
+        "dtype": dtype, "batch": w.batch, "seqlen_q": w.seqlen_q, "seqlen_k": w.seqlen_k,
+        "heads_q": w.heads_q, "heads_kv": w.heads_kv, "head_dim": w.head_dim, "causal": w.causal,
+        "window_left": w.window_left, "window_right": w.window_size[1], "varlen": w.varlen,
+        "num_seqs": len(w.seqlens) if w.varlen else w.batch, "total_tokens_q": w.total_tokens_q,
+        "flops": flops, "ms_p20": p20, "ms_p50": p50, "ms_p80": p80,
+        "tflops": flops / (p50 * 1e-3) / 1e12, "ratio_to_best_peer": None, "best_peer": None,
+        "peak_mem_bytes": peak,
+        "gbps": None,
+        "verify_err_out": errors.get("out"),
+        "verify_err_grad": max((errors[k] for k in ("dq", "dk", "dv") if k in errors), default=None),
+    }
+    if w.grid == "decode" and mode == "fwd":  # memory-bound: bytes of q, k, v read and out written
+        moved = 2 * w.head_dim * (2 * w.batch * w.seqlen_q * w.heads_q + 2 * w.batch * w.seqlen_k * w.heads_kv)
+        record["gbps"] = moved / (p50 * 1e-3) / 1e9
+    record.update(env)
+    return record
+
+
+def add_ratios(records: list[dict]) -> list[dict]:
+    """Set ``ratio_to_best_peer`` (TFLOP/s over the best peer's in the same workload,
+    mode and dtype) and ``best_peer`` on every record. Peers are providers that are not
+    ours; with no peer measured, both stay None."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["workload"], r["mode"], r["dtype"]), []).append(r)
+    for group in groups.values():
+        peers = [r for r in group if not r["provider"].startswith("ours")]
+        best = max(peers, key=lambda r: r["tflops"], default=None)
+        for r in group:
+            r["best_peer"] = best["provider"] if best else None
+            r["ratio_to_best_peer"] = r["tflops"] / best["tflops"] if best else None
+    return records
+
+
+def _reason(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _free(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+class Progress:
+    """A tqdm bar on a terminal when tqdm is installed, else one plain line per step."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.enabled = enabled
+        self.count, self.total = 0, total
+        self.start = time.perf_counter()
+        self.bar = None
+        if enabled and sys.stderr.isatty():  # a log file gets plain lines, not carriage returns
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, unit="run", dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def step(self, label: str):
+        self.count += 1
+        if self.bar is not None:
+            self.bar.set_description(label[:60])
+            self.bar.update(1)
+        elif self.enabled:
+            print(f"[{self.count}/{self.total} {time.perf_counter() - self.start:.0f}s] {label}", flush=True)
+
+    def write(self, text: str):
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _input_sets(w: Workload, device, dtype, timing: Timing) -> list:
+    first = make_inputs(w, device=device, dtype=dtype, seed=0)
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 4 * MiB
+    count = max(1, min(timing.max_sets, math.ceil(timing.rotate_bytes_per_l2 * l2 / first.nbytes)))
+    sets = [first] + [make_inputs(w, device=device, dtype=dtype, seed=i) for i in range(1, count)]
+    for x in sets:
+        for t in (x.q, x.k, x.v):
+            t.requires_grad_()
+    return sets
+
+
+def run_workload(w: Workload, providers: list[Provider], modes, *, device, dtype, dtype_name,
+                 timing: Timing, env: dict, progress: Progress) -> tuple[list[dict], list[Skip]]:
+    """Verify and time every provider on one workload."""
+    records, skips = [], []
+    modes = [m for m in modes if m in w.modes]
+    sets = _input_sets(w, device, dtype, timing)
+    with_grads = any(m != "fwd" for m in modes)
+    exp = verify_mod.expected(w, sets[0].q, sets[0].k, sets[0].v, with_grads=with_grads)
+    for provider in providers:
+        label = provider.label(w)
+        progress.step(f"{w.name} {label}")
+
+        def skip(mode, reason):
+            skips.append(Skip(label, w.name, mode, reason))
+            progress.write(f"skip {label} on {w.name} ({mode}): {reason}")
+
+        reason = provider.unsupported(w)
+        if reason:
+            skip("all", reason)
+            continue
+        with provider.context(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                prepared = [provider.prepare(w, x) for x in sets]
+                errors = verify_mod.verify(label, prepared[0], exp, grads=False)
+            except Exception as err:  # any failure skips this provider, with its reason
+                skip("all", _reason(err))
+                _free(device)
+                continue
+            backward_failure = None
+            if with_grads:
+                try:
+                    errors.update(verify_mod.verify(label, prepared[0], exp, grads=True))
+                except Exception as err:  # e.g. a forward-only backend: its forward is still timed
+                    backward_failure = _reason(err)
+                    skip(",".join(m for m in modes if m != "fwd"), backward_failure)
+            for mode in modes:
+                if mode != "fwd" and backward_failure:
+                    continue
+                try:
+                    fn, grads = _mode_closure(mode, prepared, seed=100)
+                    with torch.set_grad_enabled(mode != "fwd"):
+                        fn()  # compile / autotune outside the timed region
+                        ms = quantiles(fn, device=device, grad_to_none=grads, timing=timing)
+                        peak = peak_memory(fn, device=device, grad_to_none=grads)
+                    records.append(make_record(w, label, mode, dtype_name, ms, peak, errors, env))
+                except Exception as err:
+                    skip(mode, _reason(err))
+                finally:
+                    fn = grads = None
+                    for x in sets:
+                        for t in (x.q, x.k, x.v):
+                            t.grad = None
+                    _free(device)
+        prepared = None
+        _free(device)
+    return records, skips
+
+
+def run_suite(workloads, providers, modes, *, device, dtype_name="bf16", timing=None, ours_module=None,
+              progress=True) -> tuple[list[dict], list[Skip], dict]:
+    """Every workload with every provider that is available on ``device``."""
+    dtype = DTYPES[dtype_name]
+    timing = timing or Timing()
+    env = environment(device, ours_module)
+    skips: list[Skip] = []
+    usable = []
+    for p in providers:
+        reason = None if device.type in p.devices else f"runs on {'/'.join(p.devices)} only"
+        reason = reason or p.unavailable()
+        if reason:
+            skips.append(Skip(p.name, "all", "all", reason))
+            print(f"skip {p.name}: {reason}", flush=True)
+        else:
+            usable.append(p)
+    bar = Progress(len(workloads) * len(usable), enabled=progress)
+    records = []
+    try:
+        for w in workloads:
+            got, skipped = run_workload(w, usable, modes, device=device, dtype=dtype, dtype_name=dtype_name,
+                                        timing=timing, env=env, progress=bar)
+            records += got
+            skips += skipped
+    finally:
+        bar.close()
+    return add_ratios(records), skips, env

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: build the CUDA variant, check it, run the GPU
+# tests, benchmark against the peers, publish to an embedded Hub and load it
+# back, and train. Phases run in the order given (default: all but train):
+#
+#   bash scripts/gpu_run.sh [setup] [build] [test] [bench] [hub] [train] [sanitize]
+#
+# Logs and results go to $OUT (default: ./gpu-out). Python packages the GPU
+# image lacks are installed from wheels in .whl/ (see README "GPU runs").
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+phases=("$@")
+[[ ${#phases[@]} -eq 0 ]] && phases=(setup build test bench hub)
+export PYTHONUNBUFFERED=1
+status=0
+
+log() { echo "[gpu_run $(date +%H:%M:%S)] $*"; }
+
+run_phase() {
+  local name=$1; shift
+  local start=$SECONDS
+  log "phase $name: $*"
+  if "$@" >"$OUT/$name.log" 2>&1; then
+    log "phase $name ok ($((SECONDS - start)) s)"
+  else
+    log "phase $name FAILED ($((SECONDS - start)) s); tail of $name.log:"
+    tail -n 40 "$OUT/$name.log"
+    status=1
+  fi
+}
+
+for phase in "${phases[@]}"; do
+  case $phase in
+    setup)
+      if [[ -d .whl ]]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+          --target /tmp/site .whl/*.whl || exit 1
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      fi
+      export CUTLASS_INCLUDE=${CUTLASS_INCLUDE:-/tmp/site/cutlass_library/source/include}
+      nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+      python3 -c "import torch, triton, kernels, huggingface_hub, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'triton', triton.__version__, 'kernels', kernels.__version__, 'hf_hub', huggingface_hub.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+      ;;
+    build)
+      run_phase build python3 -m flash_attn_hub build --backend cuda
+      variant=$(ls -d build/*/ 2>/dev/null | grep -v '\.cache' | head -n 1)
+      [[ -n $variant ]] && run_phase check python3 -m flash_attn_hub check "$variant"
+      ;;
+    test)
+      run_phase test python3 -m pytest -m gpu -q -x --junitxml="$OUT/gpu-tests.xml" tests
+      ;;
+    bench)
+      run_phase bench python3 -m flash_attn_hub bench --grid "${BENCH_GRID:-standard}" \
+        --kernel-dir build --out "$OUT/bench"
+      ;;
+    hub)
+      run_phase hub python3 -m flash_attn_hub release --allow-dirty
+      ;;
+    train)
+      run_phase train python3 benchmarks/train_trl.py --out "$OUT/train"
+      ;;
+    sanitize)
+      run_phase sanitize compute-sanitizer --tool memcheck python3 -m pytest -m "gpu and sanitize" -q tests
+      ;;
+    *)
+      log "unknown phase $phase"; status=1 ;;
+  esac
+done
+log "done, status $status"
+exit $status

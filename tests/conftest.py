@@ -1,0 +1,37 @@
+"""Shared fixtures: the package as users get it (built, then loaded through ``kernels``).
+
+Outputs the package allocates are poisoned with NaN for the whole test session
+(``FLASH_ATTN_HUB_POISON=1``), so an element a backend forgets to write fails the comparison
+instead of passing on stale memory. Tests marked ``gpu`` are skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("FLASH_ATTN_HUB_POISON", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def flash_attn(tmp_path_factory):
+    """The kernel module, built for this machine into a temporary repository and imported the
+    way users import it (``kernels.get_local_kernel``): its ``__name__`` is the build's ops
+    namespace, and its backends are ``importlib.import_module(f"{mod.__name__}._cpu")`` etc."""
+    import kernels
+    from flash_attn_hub.build import build_variant
+
+    root = tmp_path_factory.mktemp("flash_attn_repo")
+    build_variant(root / "build")
+    return kernels.get_local_kernel(root)

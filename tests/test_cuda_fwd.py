@@ -1,0 +1,231 @@
+"""The Hopper CUDA forward (`_cuda.forward`) against the float64 reference, on an sm90 GPU.
+
+The backend is called directly, as the dispatcher does: destinations poisoned with NaN, an
+`AttnParams` already normalised (causal => window_right == 0). Every comparison uses the
+tolerance rule (`assert_close_to_reference`): the error against float64 must stay within twice
+PyTorch's own error in the input dtype; the Triton cross-check holds us to twice Triton's error.
+
+Covered: bf16/fp16 x every compiled head dim (and head dims between them, run on the next one
+up) x causal; Sq != Sk both ways with awkward sizes; causal, sliding windows, softcap, sinks
+(with fully masked rows), GQA and MQA by index, varlen with empty sequences, transposed and
+packed-qkv strides. A CPU-only check covers import and `supports` without a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+
+import pytest
+import torch
+
+from reference import assert_close_to_reference, attention_reference
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm90 (Hopper) GPU")
+
+
+@pytest.fixture(scope="module")
+def cuda_backend(flash_attn):
+    return importlib.import_module(flash_attn.__name__ + "._cuda")
+
+
+@pytest.fixture(scope="module")
+def triton_fwd(flash_attn):
+    return importlib.import_module(flash_attn.__name__ + "._triton_fwd")
+
+
+@pytest.fixture(scope="module")
+def attn_params(flash_attn):
+    return importlib.import_module(flash_attn.__name__ + "._params").AttnParams
+
+
+def _params(attn_params, d, *, causal=False, window=(-1, -1), softcap=0.0, max_q, max_k, scale=None):
+    left, right = window
+    if causal:
+        right = 0
+    return attn_params(softmax_scale=d ** -0.5 if scale is None else scale, causal=causal,
+                       window_left=left, window_right=right, softcap=softcap, dropout_p=0.0,
+                       seed=0, deterministic=False, max_seqlen_q=max_q, max_seqlen_k=max_k)
+
+
+def _run(backend, q, k, v, params, *, cu_q=None, cu_k=None, s_aux=None):
+    out = torch.full_like(q, math.nan)
+    if cu_q is None:
+        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), math.nan, device=q.device)
+    else:
+        lse = torch.full((q.shape[1], q.shape[0]), math.nan, device=q.device)
+    varlen = cu_q is not None
+    assert backend.supports(q, k, params, backward=False, varlen=varlen, alibi=False,
+                            sink=s_aux is not None), "the CUDA backend should accept this call"
+    backend.forward(q, k, v, out, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, s_aux=s_aux,
+                    alibi_slopes=None, params=params)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def _check(backend, q, k, v, params, *, cu_q=None, cu_k=None, s_aux=None):
+    out, lse = _run(backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k, s_aux=s_aux)
+    common = dict(softmax_scale=params.softmax_scale, causal=params.causal,
+                  window_size=(params.window_left, params.window_right), softcap=params.softcap,
+                  s_aux=s_aux, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    ref_out, ref_lse = attention_reference(q, k, v, **common)
+    low_out, low_lse = attention_reference(q, k, v, dtype=q.dtype, **common)
+    assert_close_to_reference("out", out, ref_out, low_out)
+    assert_close_to_reference("lse", lse, ref_lse, low_lse.float())
+    return out, lse
+
+
+def _qkv(b, sq, sk, hq, hkv, d, dtype, seed=0):
+    torch.manual_seed(seed)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype)
+    k = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype)
+    return q, k, v
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_dims(cuda_backend, attn_params, dtype, d, causal):
+    q, k, v = _qkv(2, 257, 257, 4, 4, d, dtype, seed=d)
+    _check(cuda_backend, q, k, v, _params(attn_params, d, causal=causal, max_q=257, max_k=257))
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("d", [8, 40, 72, 80, 112, 136, 160, 200, 248])
+def test_head_dims_between_buckets(cuda_backend, attn_params, d):
+    q, k, v = _qkv(1, 113, 239, 2, 2, d, torch.bfloat16, seed=d)
+    _check(cuda_backend, q, k, v, _params(attn_params, d, max_q=113, max_k=239))
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("sq,sk", [(1, 1), (1, 239), (17, 1023), (113, 239), (1023, 113), (239, 17)])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (17, 5), (0, 0), (64, -1)],
+                         ids=["full", "causal", "band", "diag", "left"])
+def test_lengths_and_windows(cuda_backend, attn_params, sq, sk, window):
+    q, k, v = _qkv(2, sq, sk, 3, 3, 128, torch.bfloat16, seed=sq * 7 + sk)
+    params = _params(attn_params, 128, causal=window == (-1, 0), window=window, max_q=sq, max_k=sk)
+    _check(cuda_backend, q, k, v, params)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_softcap(cuda_backend, attn_params, causal, d):
+    q, k, v = _qkv(2, 300, 300, 2, 2, d, torch.bfloat16, seed=3)
+    q = q * 4  # large scores, so the cap bites
+    _check(cuda_backend, q, k, v,
+           _params(attn_params, d, causal=causal, softcap=5.0, max_q=300, max_k=300))
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("sq,sk", [(200, 200), (300, 100)])  # (300, 100) causal: masked rows
+def test_sinks(cuda_backend, attn_params, sq, sk):
+    q, k, v = _qkv(2, sq, sk, 4, 2, 128, torch.bfloat16, seed=5)
+    s_aux = torch.randn(4, device="cuda", dtype=torch.float32) * 2
+    for causal in (False, True):
+        _, lse = _check(cuda_backend, q, k, v,
+                        _params(attn_params, 128, causal=causal, max_q=sq, max_k=sk), s_aux=s_aux)
+        if causal and sq > sk:
+            torch.testing.assert_close(lse[:, :, 0], s_aux.expand(2, 4), rtol=0, atol=1e-6)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (8, 1), (6, 3)], ids=["gqa", "mqa", "gqa3"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gqa(cuda_backend, attn_params, hq, hkv, causal):
+    q, k, v = _qkv(2, 200, 333, hq, hkv, 128, torch.float16, seed=hq + hkv)
+    _check(cuda_backend, q, k, v, _params(attn_params, 128, causal=causal, max_q=200, max_k=333))
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (33, 7)], ids=["full", "causal", "band"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_varlen_with_empty_sequences(cuda_backend, attn_params, window, d):
+    torch.manual_seed(11)
+    seq_q = [0, 17, 128, 1, 300, 5, 129]
+    seq_k = [5, 0, 200, 1, 300, 0, 77]
+    cu_q = torch.tensor([0] + list(torch.tensor(seq_q).cumsum(0)), device="cuda", dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(seq_k).cumsum(0)), device="cuda", dtype=torch.int32)
+    q = torch.randn(sum(seq_q), 4, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(seq_k), 2, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(sum(seq_k), 2, d, device="cuda", dtype=torch.bfloat16)
+    s_aux = torch.randn(4, device="cuda") if window == (33, 7) else None
+    params = _params(attn_params, d, causal=window == (-1, 0), window=window, max_q=max(seq_q),
+                     max_k=max(seq_k))
+    _check(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k, s_aux=s_aux)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_strided_layouts(cuda_backend, attn_params):
+    torch.manual_seed(13)
+    b, s, h, d = 2, 190, 4, 128
+    # (B, H, S, D) storage seen as (B, S, H, D), as transformers passes it
+    q = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    # one slice of a packed (B, S, 3, H, D) projection: row stride 3 * H * D
+    packed = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16)
+    k, v = packed[:, :, 1], packed[:, :, 2]
+    for causal in (False, True):
+        _check(cuda_backend, q, k, v, _params(attn_params, d, causal=causal, max_q=s, max_k=s))
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_against_triton(cuda_backend, triton_fwd, attn_params, causal):
+    q, k, v = _qkv(2, 1000, 1000, 4, 2, 128, torch.bfloat16, seed=17)
+    params = _params(attn_params, 128, causal=causal, max_q=1000, max_k=1000)
+    out, lse = _run(cuda_backend, q, k, v, params)
+    t_out, t_lse = torch.full_like(out, math.nan), torch.full_like(lse, math.nan)
+    triton_fwd.forward(q, k, v, t_out, t_lse, cu_seqlens_q=None, cu_seqlens_k=None, s_aux=None,
+                       alibi_slopes=None, params=params)
+    ref_out, ref_lse = attention_reference(q, k, v, causal=causal)
+    assert_close_to_reference("out vs triton", out, ref_out, t_out)
+    assert_close_to_reference("lse vs triton", lse, ref_lse, t_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.sanitize
+@needs_sm90
+def test_small_all_features_once(cuda_backend, attn_params):
+    """A short run of every code path, sized for compute-sanitizer."""
+    torch.manual_seed(19)
+    seq = [0, 33, 130]
+    cu = torch.tensor([0, 0, 33, 163], device="cuda", dtype=torch.int32)
+    q = torch.randn(163, 4, 80, device="cuda", dtype=torch.float16)
+    k = torch.randn(163, 2, 80, device="cuda", dtype=torch.float16)
+    v = torch.randn(163, 2, 80, device="cuda", dtype=torch.float16)
+    params = _params(attn_params, 80, window=(20, 3), softcap=8.0, max_q=max(seq), max_k=max(seq))
+    _check(cuda_backend, q, k, v, params, cu_q=cu, cu_k=cu, s_aux=torch.randn(4, device="cuda"))
+
+
+@pytest.mark.kernels_ci
+def test_supports_declines_without_sm90_or_features(cuda_backend, attn_params):
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
+    params = _params(attn_params, 64, max_q=8, max_k=8)
+    flags = dict(varlen=False, alibi=False, sink=False)
+    assert not cuda_backend.supports(q, q, params, backward=False, **flags)  # CPU tensors
+    if not _sm90():
+        return
+    qc = q.cuda()
+    assert cuda_backend.supports(qc, qc, params, backward=False, **flags)
+    assert not cuda_backend.supports(qc, qc, params, backward=True, **flags)
+    assert not cuda_backend.supports(qc, qc, params, backward=False, varlen=False, alibi=True,
+                                     sink=False)
+    assert not cuda_backend.supports(qc.float(), qc.float(), params, backward=False, **flags)
+    dropout = dataclasses.replace(params, dropout_p=0.1)
+    assert not cuda_backend.supports(qc, qc, dropout, backward=False, **flags)

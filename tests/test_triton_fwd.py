@@ -1,0 +1,418 @@
+"""The Triton forward kernel (`_triton_fwd.forward`) against the float64 reference.
+
+The launcher is called as the dispatcher calls it: destinations poisoned with NaN, an
+`AttnParams` already normalised. Every comparison uses the tolerance rule
+(`assert_close_to_reference`): our error against float64 must stay within twice PyTorch's own
+error in the input dtype (the reference evaluated at ``dtype=q.dtype``).
+
+Without a GPU the kernel runs under Triton's interpreter on CPU tensors, in fp16 only (the
+interpreter computes bf16 dots wrongly); the interpreter is slow, so shapes stay small but
+awkward (1, 17, 113, Sq != Sk) and the interpreter's tile table (32 x 16) makes them cross
+several query and key blocks. On a GPU machine the same matrix runs compiled on CUDA tensors,
+and the `gpu` tests add realistic sizes in bf16 and fp16.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when the kernel module is
+# imported (by the fixtures below, after collection). Without CUDA the interpreter is the only
+# way to run it; the `device` fixture skips if the kernel was nevertheless compiled for a GPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib  # noqa: E402
+import math  # noqa: E402
+import subprocess  # noqa: E402
+import types  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from reference import (assert_close_to_reference, attention_reference,  # noqa: E402
+                       dropout_keep_mask, visible_mask)
+
+# The interpreter's own NumPy deprecation warnings, thousands per kernel call.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.runtime.interpreter")
+
+SOURCE_PACKAGE = Path(__file__).resolve().parents[1] / "torch-ext" / "flash_attn"
+
+
+def _source_package():
+    """The package straight from the source tree (runs without the `flash_attn` fixture): a bare
+    package object whose path is the source folder, so `__init__` (which needs `_ops`) never
+    runs and relative imports still work."""
+    name = "flash_attn_source"
+    if name not in sys.modules:
+        package = types.ModuleType(name)
+        package.__path__ = [str(SOURCE_PACKAGE)]
+        sys.modules[name] = package
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def package(request):
+    try:
+        return request.getfixturevalue("flash_attn")
+    except pytest.FixtureLookupError:
+        return _source_package()
+
+
+@pytest.fixture(scope="module")
+def fwd(package):
+    return importlib.import_module(package.__name__ + "._triton_fwd")
+
+
+@pytest.fixture(scope="module")
+def common(package):
+    return importlib.import_module(package.__name__ + "._triton_common")
+
+
+@pytest.fixture(scope="module")
+def attn_params(package):
+    return importlib.import_module(package.__name__ + "._params").AttnParams
+
+
+def _interpreted(fwd) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(fwd._attn_fwd_kernel, InterpretedFunction)
+
+
+@pytest.fixture(scope="module")
+def device(fwd):
+    """CPU under the interpreter, else CUDA; skip when neither can run the kernel."""
+    if _interpreted(fwd):
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    pytest.skip("the Triton kernel was compiled for a GPU but there is no CUDA device: set "
+                "TRITON_INTERPRET=1 before the package is imported")
+
+
+# ---------------------------------------------------------------------------------------------
+# One case: inputs, a call of the kernel, the reference in float64 and in the input dtype.
+# ---------------------------------------------------------------------------------------------
+
+def make_params(attn_params, *, head_dim, causal=False, window=(-1, -1), softcap=0.0,
+                dropout_p=0.0, seed=0, softmax_scale=None, max_seqlen_q=0, max_seqlen_k=0):
+    left, right = window
+    return attn_params(softmax_scale=head_dim ** -0.5 if softmax_scale is None else softmax_scale,
+                       causal=causal, window_left=left, window_right=0 if causal else right,
+                       softcap=softcap, dropout_p=dropout_p, seed=seed, deterministic=False,
+                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+
+def make_inputs(device, dtype, *, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim,
+                layout="contiguous"):
+    """q/k/v in the batched layout; ``layout="transposed"`` builds them as views of
+    ``(B, H, S, D)`` tensors and of a packed kv tensor, so every stride but the last differs."""
+    def rand(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype)
+    if layout == "contiguous":
+        return (rand(batch, seqlen_q, heads_q, head_dim), rand(batch, seqlen_k, heads_kv, head_dim),
+                rand(batch, seqlen_k, heads_kv, head_dim))
+    q = rand(batch, heads_q, seqlen_q, head_dim).transpose(1, 2)
+    kv = rand(batch, heads_kv, seqlen_k, 2, head_dim + 8)
+    return q, kv[..., 0, 8:].transpose(1, 2), kv[..., 1, :head_dim].transpose(1, 2)
+
+
+def run_forward(fwd, q, k, v, params, *, cu_seqlens_q=None, cu_seqlens_k=None, s_aux=None,
+                alibi_slopes=None, tiles=None):
+    out = torch.full(q.shape, math.nan, dtype=q.dtype, device=q.device)
+    if cu_seqlens_q is None:
+        lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    else:
+        lse_shape = (q.shape[1], q.shape[0])
+    lse = torch.full(lse_shape, math.nan, dtype=torch.float32, device=q.device)
+    fwd.forward(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                s_aux=s_aux, alibi_slopes=alibi_slopes, params=params, tiles=tiles)
+    return out, lse
+
+
+def check_against_reference(q, k, v, out, lse, params, **extra):
+    kwargs = dict(softmax_scale=params.softmax_scale, causal=params.causal,
+                  window_size=(params.window_left, params.window_right), softcap=params.softcap,
+                  dropout_p=params.dropout_p, seed=params.seed, **extra)
+    ref_out, ref_lse = attention_reference(q, k, v, **kwargs)
+    low_out, low_lse = attention_reference(q, k, v, dtype=q.dtype, **kwargs)
+    assert_close_to_reference("out", out, ref_out, low_out)
+    assert_close_to_reference("lse", lse, ref_lse, low_lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched feature matrix.
+# ---------------------------------------------------------------------------------------------
+
+BASE = dict(batch=2, seqlen_q=37, seqlen_k=53, heads_q=4, heads_kv=4, head_dim=64)
+CASES = {  # name -> overrides of BASE and feature switches
+    "full": {},
+    "causal": dict(causal=True),
+    "causal_sq_gt_sk": dict(causal=True, seqlen_q=61, seqlen_k=29),
+    "causal_decode": dict(causal=True, seqlen_q=1, seqlen_k=113, heads_q=8, heads_kv=2),
+    "window": dict(window=(9, 4)),
+    "window_left_only": dict(window=(13, -1)),
+    "window_right_only": dict(window=(-1, 5)),
+    "causal_window": dict(causal=True, window=(7, -1), seqlen_q=113, seqlen_k=113),
+    "gqa4": dict(heads_q=8, heads_kv=2),
+    "mqa": dict(heads_q=4, heads_kv=1, causal=True),
+    "odd_1x1": dict(batch=3, seqlen_q=1, seqlen_k=1),
+    "odd_17x113": dict(seqlen_q=17, seqlen_k=113, batch=1),
+    "odd_113x17_causal": dict(seqlen_q=113, seqlen_k=17, batch=1, causal=True),
+    "sk_zero": dict(seqlen_k=0, batch=1),
+    "softcap": dict(softcap=3.0, softmax_scale=0.5),
+    "softcap_causal_gqa": dict(softcap=20.0, causal=True, heads_q=4, heads_kv=2),
+    "alibi": dict(alibi="head", causal=True),
+    "alibi_batch_window": dict(alibi="batch", window=(11, 11)),
+    "sink": dict(sink=True),
+    "sink_causal_sq_gt_sk": dict(sink=True, causal=True, seqlen_q=61, seqlen_k=29),
+    "sink_window_empty_rows": dict(sink=True, window=(3, 0), seqlen_q=53, seqlen_k=37),
+    "dropout": dict(dropout_p=0.17, seed=1),
+    "dropout_causal_gqa_seed64": dict(dropout_p=0.5, seed=(7 << 32) + 12345, causal=True,
+                                      heads_q=4, heads_kv=2),
+    "everything": dict(causal=True, window=(19, -1), softcap=5.0, alibi="head", sink=True,
+                       dropout_p=0.25, seed=99, heads_q=6, heads_kv=2),
+    "d8": dict(head_dim=8, seqlen_q=20, seqlen_k=20, causal=True),
+    "d40_transposed": dict(head_dim=40, layout="transposed", window=(6, 2)),
+    "d80": dict(head_dim=80, batch=1, seqlen_q=17, seqlen_k=33, heads_q=2, heads_kv=1),
+    "d128_causal": dict(head_dim=128, batch=1, seqlen_q=33, seqlen_k=33, heads_q=2, heads_kv=2,
+                        causal=True),
+    "d256_sink": dict(head_dim=256, batch=1, seqlen_q=17, seqlen_k=20, heads_q=2, heads_kv=1,
+                      sink=True),
+    "transposed_gqa_causal": dict(layout="transposed", heads_q=8, heads_kv=2, causal=True),
+}
+CI_CASES = {"causal_sq_gt_sk", "gqa4", "sink_window_empty_rows", "dropout", "d40_transposed"}
+
+
+def run_case(fwd, attn_params, device, dtype, spec, tiles=None):
+    spec = {**BASE, **spec}
+    shape = {key: spec[key] for key in BASE}
+    q, k, v = make_inputs(device, dtype, layout=spec.get("layout", "contiguous"), **shape)
+    params = make_params(attn_params, head_dim=shape["head_dim"],
+                         causal=spec.get("causal", False), window=spec.get("window", (-1, -1)),
+                         softcap=spec.get("softcap", 0.0), dropout_p=spec.get("dropout_p", 0.0),
+                         seed=spec.get("seed", 0), softmax_scale=spec.get("softmax_scale"),
+                         max_seqlen_q=shape["seqlen_q"], max_seqlen_k=shape["seqlen_k"])
+    extra = {}
+    if spec.get("alibi") == "head":
+        extra["alibi_slopes"] = torch.rand(shape["heads_q"], device=device) * 0.3
+    elif spec.get("alibi") == "batch":
+        extra["alibi_slopes"] = torch.rand(shape["batch"], shape["heads_q"], device=device) * 0.3
+    if spec.get("sink"):
+        extra["s_aux"] = torch.randn(shape["heads_q"], device=device) * 2
+    out, lse = run_forward(fwd, q, k, v, params, tiles=tiles, **extra)
+    check_against_reference(q, k, v, out, lse, params, **extra)
+
+
+CASE_PARAMS = [pytest.param(spec, id=name,
+                            marks=[pytest.mark.kernels_ci] if name in CI_CASES else [])
+               for name, spec in CASES.items()]
+
+
+@pytest.mark.parametrize("spec", CASE_PARAMS)
+def test_batched(fwd, attn_params, device, spec):
+    torch.manual_seed(0)
+    run_case(fwd, attn_params, device, torch.float16, spec)
+
+
+@pytest.mark.parametrize("tiles", [(16, 32, 4, 1), (64, 64, 4, 2), (16, 16, 4, 1)],
+                         ids=["m16n32", "m64n64", "m16n16"])
+@pytest.mark.parametrize("name", ["causal_sq_gt_sk", "window", "sink_window_empty_rows"])
+def test_other_tiles(fwd, attn_params, device, tiles, name):
+    """Block-range arithmetic must not depend on BLOCK_M vs BLOCK_N (the table's GPU tiles)."""
+    torch.manual_seed(1)
+    run_case(fwd, attn_params, device, torch.float16, CASES[name], tiles=tiles)
+
+
+# ---------------------------------------------------------------------------------------------
+# Varlen.
+# ---------------------------------------------------------------------------------------------
+
+VARLEN = {  # name -> (query lengths, key lengths, features)
+    "mixed": ([5, 0, 1, 40, 17], [9, 3, 1, 40, 0], {}),
+    "causal_gqa": ([1, 33, 0, 17], [60, 33, 2, 5], dict(causal=True, heads=(8, 2))),
+    "window_sink_alibi": ([23, 1, 0, 31], [23, 7, 4, 50],
+                          dict(window=(5, 3), sink=True, alibi="batch")),
+    "dropout_softcap": ([3, 0, 29], [30, 5, 29], dict(dropout_p=0.3, seed=5, softcap=4.0,
+                                                      causal=True)),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.kernels_ci] if n == "mixed"
+                                               else []) for n in VARLEN])
+def test_varlen(fwd, attn_params, device, name):
+    torch.manual_seed(2)
+    lens_q, lens_k, feat = VARLEN[name]
+    heads_q, heads_kv = feat.get("heads", (4, 2))
+    head_dim = 32
+    cu_q = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_k = torch.tensor([0] + lens_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    dtype = torch.float16
+    q = torch.randn(int(cu_q[-1]), heads_q, head_dim, dtype=dtype, device=device)
+    kv = torch.randn(int(cu_k[-1]), 2, heads_kv, head_dim, dtype=dtype, device=device)
+    k, v = kv[:, 0], kv[:, 1]  # strided views of one packed tensor
+    params = make_params(attn_params, head_dim=head_dim, causal=feat.get("causal", False),
+                         window=feat.get("window", (-1, -1)), softcap=feat.get("softcap", 0.0),
+                         dropout_p=feat.get("dropout_p", 0.0), seed=feat.get("seed", 0),
+                         max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+    extra = {}
+    if feat.get("sink"):
+        extra["s_aux"] = torch.randn(heads_q, device=device)
+    if feat.get("alibi") == "batch":
+        extra["alibi_slopes"] = torch.rand(len(lens_q), heads_q, device=device) * 0.5
+    out, lse = run_forward(fwd, q, k, v, params, cu_seqlens_q=cu_q.to(device),
+                           cu_seqlens_k=cu_k.to(device), **extra)
+    check_against_reference(q, k, v, out, lse, params, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                            **extra)
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact properties: the dropout keep-mask bit for bit, empty rows, the block ranges.
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("seed", [0, 1, (3 << 32) + 0xDEADBEEF], ids=["seed0", "seed1", "seed64"])
+def test_dropout_mask_bitwise(fwd, attn_params, device, seed):
+    """With V = identity, ``out[i, j] = P[i, j] * keep[i, j] / (1 - p)`` and every P > 0, so the
+    nonzero pattern of ``out`` is the kernel's keep-mask; it must equal the reference's."""
+    batch, seqlen_q, seqlen_k, heads_q, heads_kv, dropout_p = 2, 19, 32, 4, 2, 0.4
+    q = torch.randn(batch, seqlen_q, heads_q, seqlen_k, dtype=torch.float16, device=device) * 0.1
+    k = torch.randn(batch, seqlen_k, heads_kv, seqlen_k, dtype=torch.float16, device=device) * 0.1
+    v = torch.eye(seqlen_k, dtype=torch.float16, device=device)[None, :, None, :].expand(
+        batch, seqlen_k, heads_kv, seqlen_k)
+    params = make_params(attn_params, head_dim=seqlen_k, dropout_p=dropout_p, seed=seed,
+                         max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k)
+    out, _ = run_forward(fwd, q, k, v, params)
+    for b in range(batch):
+        for h in range(heads_q):
+            want = dropout_keep_mask(seed, b, h, heads_q, seqlen_q, seqlen_k, dropout_p)
+            assert torch.equal(out[b, :, h].cpu() != 0, want), f"keep-mask differs at b={b} h={h}"
+
+
+@pytest.mark.kernels_ci
+def test_rows_without_keys(fwd, attn_params, device):
+    """Causal with Sq > Sk: the first Sq - Sk rows see nothing -> out 0 and lse -inf exactly,
+    or lse = s_aux with a sink; never NaN."""
+    torch.manual_seed(3)
+    q, k, v = make_inputs(device, torch.float16, batch=1, seqlen_q=40, seqlen_k=7, heads_q=2,
+                          heads_kv=2, head_dim=16)
+    params = make_params(attn_params, head_dim=16, causal=True, max_seqlen_q=40, max_seqlen_k=7)
+    s_aux = torch.tensor([0.5, -1.25], device=device)
+    for sink in (None, s_aux):
+        out, lse = run_forward(fwd, q, k, v, params, s_aux=sink)
+        empty = 40 - 7
+        assert not out.isnan().any() and not lse.isnan().any()
+        assert torch.equal(out[:, :empty], torch.zeros_like(out[:, :empty]))
+        want = torch.full((1, 2, empty), -math.inf, device=device) if sink is None else \
+            sink[None, :, None].expand(1, 2, empty)
+        assert torch.equal(lse[:, :, :empty], want)
+
+
+@triton.jit
+def _block_range_probe(cases, result, RANGE_FN: tl.constexpr, BLOCK_N: tl.constexpr,
+                       HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """One program per case row (m_first, m_last, seqlen_q, seqlen_k, left, right)."""
+    i = tl.program_id(0)
+    row = cases + i * 6
+    lo, full_lo, full_hi, hi = RANGE_FN(
+        tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4),
+        tl.load(row + 5), BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    tl.store(result + i * 4, lo)
+    tl.store(result + i * 4 + 1, full_lo)
+    tl.store(result + i * 4 + 2, full_hi)
+    tl.store(result + i * 4 + 3, hi)
+
+
+def test_key_block_range(common, device):
+    """`key_block_range` against brute force: blocks outside [lo, hi) are invisible to every row,
+    blocks in [full_lo, full_hi) visible to every row, the order lo <= full_lo <= full_hi <= hi."""
+    gen = torch.Generator().manual_seed(4)
+    block_m, block_n = 16, 8
+    for left, right in [(-1, -1), (-1, 0), (5, 0), (0, -1), (3, 9), (20, 2), (0, 0)]:
+        cases = []
+        for _ in range(40):
+            seqlen_q, seqlen_k = (int(x) for x in torch.randint(1, 60, (2,), generator=gen))
+            for m_first in range(0, seqlen_q, block_m):
+                m_last = min(m_first + block_m, seqlen_q) - 1
+                cases.append((m_first, m_last, seqlen_q, seqlen_k, left, right))
+        table = torch.tensor(cases, dtype=torch.int32, device=device)
+        result = torch.empty(len(cases), 4, dtype=torch.int32, device=device)
+        _block_range_probe[(len(cases),)](table, result, RANGE_FN=common.key_block_range,
+                                          BLOCK_N=block_n, HAS_LEFT=left >= 0,
+                                          HAS_RIGHT=right >= 0)
+        for (m_first, m_last, seqlen_q, seqlen_k, *_), (lo, full_lo, full_hi, hi) in zip(
+                cases, result.cpu().tolist()):
+            assert 0 <= lo <= full_lo <= full_hi <= hi <= -(-seqlen_k // block_n)
+            ok = visible_mask(seqlen_q, seqlen_k, left, right)[m_first:m_last + 1]
+            padded = torch.zeros(ok.shape[0], hi * block_n + seqlen_k + block_n, dtype=torch.bool)
+            padded[:, :seqlen_k] = ok
+            blocks = padded[:, :(padded.shape[1] // block_n) * block_n].reshape(
+                ok.shape[0], -1, block_n)
+            where = f"case {(m_first, m_last, seqlen_q, seqlen_k, left, right)}"
+            assert not blocks[:, :lo].any() and not blocks[:, hi:].any(), where
+            assert blocks[:, full_lo:full_hi].all(), where
+
+
+def test_import_does_not_touch_cuda():
+    """Importing the kernel module (and so decorating the kernels) initialises no CUDA."""
+    code = ("import sys, types, torch\n"
+            f"p = types.ModuleType('fa'); p.__path__ = [{str(SOURCE_PACKAGE)!r}]\n"
+            "sys.modules['fa'] = p\n"
+            "import importlib; importlib.import_module('fa._triton_fwd')\n"
+            "assert not torch.cuda.is_initialized()\n")
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: realistic sizes, bf16 and fp16.
+# ---------------------------------------------------------------------------------------------
+
+GPU_CASES = {
+    "d64_s1k": dict(batch=4, seqlen_q=1024, seqlen_k=1024, heads_q=8, heads_kv=8, head_dim=64),
+    "d128_s2k_causal": dict(batch=2, seqlen_q=2048, seqlen_k=2048, heads_q=8, heads_kv=8,
+                            head_dim=128, causal=True),
+    "d128_gqa_causal_sq_ne_sk": dict(batch=2, seqlen_q=777, seqlen_k=1500, heads_q=16,
+                                     heads_kv=4, head_dim=128, causal=True),
+    "d128_decode": dict(batch=8, seqlen_q=1, seqlen_k=4099, heads_q=32, heads_kv=8,
+                        head_dim=128, causal=True),
+    "d256_window_sink": dict(batch=2, seqlen_q=1023, seqlen_k=1023, heads_q=4, heads_kv=2,
+                             head_dim=256, window=(255, 0), sink=True),
+    "d96_softcap_alibi": dict(batch=2, seqlen_q=1000, seqlen_k=1000, heads_q=8, heads_kv=8,
+                              head_dim=96, softcap=30.0, alibi="head", causal=True),
+    "d128_dropout_transposed": dict(batch=2, seqlen_q=513, seqlen_k=513, heads_q=8, heads_kv=8,
+                                    head_dim=128, dropout_p=0.1, seed=42, layout="transposed"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_gpu_realistic(fwd, attn_params, dtype, name):
+    if not torch.cuda.is_available() or _interpreted(fwd):
+        pytest.skip("needs a CUDA GPU and the compiled (not interpreted) kernel")
+    torch.manual_seed(5)
+    run_case(fwd, attn_params, torch.device("cuda"), dtype, GPU_CASES[name])
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_bf16(fwd, attn_params):
+    if not torch.cuda.is_available() or _interpreted(fwd):
+        pytest.skip("needs a CUDA GPU and the compiled (not interpreted) kernel")
+    torch.manual_seed(6)
+    lens_q = [1, 700, 0, 333, 1024]
+    lens_k = [900, 700, 5, 1000, 1024]
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu_q[-1]), 16, 128, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(int(cu_k[-1]), 4, 128, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    params = make_params(attn_params, head_dim=128, causal=True, max_seqlen_q=max(lens_q),
+                         max_seqlen_k=max(lens_k))
+    out, lse = run_forward(fwd, q, k, v, params, cu_seqlens_q=cu_q.cuda(), cu_seqlens_k=cu_k.cuda())
+    check_against_reference(q, k, v, out, lse, params, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)

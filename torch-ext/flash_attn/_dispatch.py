@@ -1,0 +1,128 @@
+"""The one backend choice: which module computes a forward or a backward.
+
+``FLASH_ATTN_HUB_BACKEND`` (read on every call, so tests and users can switch it at run time):
+
+* ``auto`` (default): CUDA tensors go to the compiled Hopper backend ``_cuda`` when the build
+  ships it and ``_cuda.supports(...)`` accepts the call, else to Triton; CPU tensors go to
+  ``_cpu``.
+* ``triton``: the Triton kernels (``_triton_fwd`` / ``_triton_bwd``). On CPU tensors only under
+  Triton's interpreter (``TRITON_INTERPRET=1``).
+* ``cuda``: the compiled backend for the forward, an error when it is missing or does not
+  support the call; a backward it does not implement runs on Triton (logged).
+* ``cpu``: the PyTorch-ops backend ``_cpu``; its torch ops run on any device, which makes it a
+  slow but exact fallback for debugging on a GPU too.
+
+Backend modules are imported on first use, so importing the package imports no kernel module
+(and so never touches CUDA or autotuning). Each distinct choice is logged once on the
+``flash_attn`` logger, with the reason, so a fallback to a slower path is never silent.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+
+from ._params import AttnParams
+
+ENV_BACKEND = "FLASH_ATTN_HUB_BACKEND"
+ENV_INTERPRET = "TRITON_INTERPRET"
+BACKENDS = ("auto", "triton", "cpu", "cuda")
+
+logger = logging.getLogger("flash_attn")
+
+_MODULES = {
+    ("cpu", "forward"): "_cpu",
+    ("cpu", "backward"): "_cpu",
+    ("triton", "forward"): "_triton_fwd",
+    ("triton", "backward"): "_triton_bwd",
+    ("cuda", "forward"): "_cuda",
+    ("cuda", "backward"): "_cuda",
+}
+_logged: set[tuple] = set()
+_NOT_SHIPPED = object()
+_cuda_module = None
+
+
+def _import(name: str):
+    return importlib.import_module(f".{name}", __package__)
+
+
+def _cuda():
+    """The ``_cuda`` module, or None when this build does not ship it. Only the absence of
+    ``_cuda`` itself is tolerated: an import error inside it propagates."""
+    global _cuda_module
+    if _cuda_module is None:
+        try:
+            _cuda_module = _import("_cuda")
+        except ModuleNotFoundError as err:
+            if err.name != f"{__package__}._cuda":
+                raise
+            _cuda_module = _NOT_SHIPPED
+    return None if _cuda_module is _NOT_SHIPPED else _cuda_module
+
+
+def requested_backend() -> str:
+    value = os.environ.get(ENV_BACKEND, "auto").strip().lower() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"{ENV_BACKEND}: got {os.environ[ENV_BACKEND]!r}; expected one of "
+                         f"{', '.join(BACKENDS)}")
+    return value
+
+
+def _interpreting() -> bool:
+    return os.environ.get(ENV_INTERPRET, "0") not in ("", "0")
+
+
+def _choose(requested: str, direction: str, q, k, params: AttnParams, features: dict):
+    """``(backend name, reason)``; raises when the requested backend cannot run the call."""
+    if requested == "cpu":
+        return "cpu", f"{ENV_BACKEND}=cpu"
+    if q.device.type != "cuda":
+        if requested == "auto":
+            return "cpu", f"tensors on {q.device.type}"
+        if requested == "triton" and _interpreting():
+            return "triton", f"{ENV_BACKEND}=triton under {ENV_INTERPRET}=1"
+        needs = (f"CUDA tensors, or {ENV_INTERPRET}=1 (set before the package is imported) for "
+                 f"CPU tensors" if requested == "triton" else "CUDA tensors")
+        raise ValueError(f"{ENV_BACKEND}={requested}: got tensors on {q.device}; the "
+                         f"{requested} backend needs {needs}")
+    if requested == "triton":
+        return "triton", f"{ENV_BACKEND}=triton"
+    cuda = _cuda()
+    if cuda is not None and cuda.supports(q, k, params, backward=direction == "backward",
+                                          **features):
+        return "cuda", f"{ENV_BACKEND}={requested}, supported by the CUDA backend"
+    if requested == "cuda" and direction == "forward":
+        missing = ("this build has no compiled CUDA backend" if cuda is None else
+                   f"the CUDA backend does not support this call "
+                   f"({_describe(q, k, params, features)})")
+        raise ValueError(f"{ENV_BACKEND}=cuda: {missing}; use auto or triton")
+    why = "this build has no compiled CUDA backend" if cuda is None else (
+        f"the CUDA backend does not support this {direction}")
+    return "triton", f"{ENV_BACKEND}={requested}; {why}"
+
+
+def _describe(q, k, params: AttnParams, features: dict) -> str:
+    on = [name for name, value in features.items() if value]
+    return (f"dtype {q.dtype}, head dim {q.shape[-1]}, {q.shape[-2]}/{k.shape[-2]} heads, "
+            f"causal {params.causal}, window ({params.window_left}, {params.window_right}), "
+            f"softcap {params.softcap}, dropout {params.dropout_p}"
+            + (", " + ", ".join(on) if on else ""))
+
+
+def select_backend(direction: str, q, k, params: AttnParams, *, varlen: bool, alibi: bool,
+                   sink: bool):
+    """The module whose ``forward`` (``direction="forward"``) or ``backward`` runs this call.
+
+    ``varlen``/``alibi``/``sink`` say whether cu_seqlens, ALiBi slopes and ``s_aux`` are in
+    play; they are passed on to ``_cuda.supports(q, k, params, *, backward, varlen, alibi,
+    sink)``."""
+    features = {"varlen": varlen, "alibi": alibi, "sink": sink}
+    name, reason = _choose(requested_backend(), direction, q, k, params, features)
+    key = (direction, name, reason, q.device.type)
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("flash_attn %s on %s: %s backend (%s)", direction, q.device.type, name,
+                    reason)
+    return _import(_MODULES[(name, direction)])

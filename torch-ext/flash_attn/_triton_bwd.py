@@ -1,0 +1,631 @@
+"""Triton backward kernels (FlashAttention-2 style) and their destination-passing launcher.
+
+Glossary (see also ``_triton_common``):
+  Q, K, V, O, DO     queries, keys, values, output, output gradient (DO may be any strides)
+  DQ, DK, DV         gradients, contiguous, shaped like Q / K / V (DK, DV per KV head)
+  LSE                forward log-sum-exp, natural log, float32, sink included
+  DELTA              rowsum(DO * O), float32, laid out like LSE
+  B, Hq, Hkv, GROUP  batch, query heads, kv heads, Hq // Hkv (kv head = h // GROUP)
+  P, dP, dS          probabilities, their gradient, the score gradient (natural units)
+  HEAD_DIM, BLOCK_D  D and its padded tile width max(16, next_pow2(D)), masked when wider
+  DKDV_BLOCK_M/N     query rows per step / keys owned, in the dK/dV kernel
+  DQ_BLOCK_M/N       queries owned / keys per step, in the dQ kernel
+  IS_VARLEN          sequences delimited by cu_seqlens; batch strides are then unused (0)
+
+Three launches, none with atomics:
+  1. ``_bwd_delta_kernel``: DELTA = rowsum(DO * O) in fp32, one program per (query block, head).
+  2. ``_bwd_dkdv_kernel``: one program owns DKDV_BLOCK_N keys of one (batch, KV head). It loops
+     over the GROUP query heads of that kv head and, per head, over the query blocks of the
+     causal / window band, accumulating dK and dV in registers. The GQA reduction happens
+     there, so no (.., Hq, D)-sized dK/dV buffer and no reduction op ever exist.
+  3. ``_bwd_dq_kernel``: one program owns DQ_BLOCK_M queries of one (batch, query head) and
+     loops over the band's key blocks, recomputing P from LSE; dQ needs no atomics either.
+Every output element is written by exactly one program in a fixed order, so gradients are
+bitwise reproducible run to run (``deterministic=True`` holds in every mode).
+
+Both loops visit their band in three calls of one inner loop: the leading edge blocks (masked),
+the interior blocks (no mask, no bounds checks), the trailing edge blocks (masked). Causal,
+window, softcap, ALiBi and dropout are compile-time hooks into those loops.
+
+[Note: recomputing P] Scores are recomputed with the forward's arithmetic (``score_constants``:
+``s2 = qk * scale * log2(e)``, or ``softcap * log2(e) * tanh(qk * scale / softcap)``, minus
+``slope * log2(e) * |i + Sk - Sq - j|``), then ``P = exp2(s2 - LSE * log2(e))``. LSE is the
+forward's, so P is the forward's softmax (sink included: the sink column has no value and is
+never materialised). A row with LSE = -inf sees no key; its LSE is replaced by +inf so that
+``exp2(s2 - inf) = 0`` for finite and masked (-inf) scores alike: such rows contribute nothing
+and no ``-inf - -inf`` NaN forms.
+
+[Note: gradient chain] With ``Pd = P * keep / (1 - p)`` the dropped probabilities the forward
+multiplied into V: ``dV = Pd^T dO``; ``dP = (dO V^T) * keep / (1 - p)``;
+``dS = P * (dP - DELTA)`` with ``DELTA = rowsum(dO * O) = rowsum(P * dP)`` (O is the dropped
+output, so DELTA already accounts for dropout); softcap multiplies dS by ``1 - t^2`` with
+``t = tanh(qk * scale / softcap)``; ``dQ = scale * dS K`` and ``dK = scale * dS^T Q``, the
+scale applied once to the fp32 accumulators. The sink logit gets
+``ds_aux[h] = -sum_rows exp(s_aux[h] - LSE) * DELTA`` (its own dP is 0), a few torch ops.
+
+[Note: offsets] Per-program bases (batch, head, sequence start) and per-block offsets are
+int64; in-tile offsets stay int32, so tensors beyond 2**31 elements address correctly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from ._params import AttnParams
+from ._triton_common import (LOG2E, dropout_constants, dropout_keep, dropout_row_hash,
+                             key_block_range, mix32, score_constants, tanh)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hooks shared by both loops. Row/column indices arrive already broadcast to 2-D (rows[:, None]
+# in the dQ orientation (M, N), rows[None, :] in the transposed dK/dV orientation (N, M)), so
+# one hook serves both; the arithmetic is that of ``_triton_common.scores_log2``.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scores(qk, rows2, cols2, diag, qk_scale, softcap_log2, alibi_slope_log2,
+            SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Raw fp32 ``qk`` -> ``(s2, t)``: scores in log2 units (unmasked) and, with SOFTCAP, the
+    tanh the chain rule needs (otherwise ``t`` is ``s2`` and unused)."""
+    s = qk * qk_scale
+    t = s
+    if SOFTCAP:
+        t = tanh(s)
+        s = softcap_log2 * t
+    if HAS_ALIBI:
+        s = s - alibi_slope_log2 * tl.abs(rows2 + diag - cols2).to(tl.float32)
+    return s, t
+
+
+@triton.jit
+def _visible(rows2, cols2, seqlen_q, seqlen_k, window_left, window_right,
+             HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr):
+    """Visibility of key ``cols2`` from query ``rows2`` (``_triton_common.visible``, any
+    orientation), sequence bounds included."""
+    diag2 = rows2 + (seqlen_k - seqlen_q)
+    ok = (cols2 < seqlen_k) & (rows2 < seqlen_q)
+    if HAS_WINDOW_LEFT:
+        ok = ok & (cols2 >= diag2 - window_left)
+    if HAS_WINDOW_RIGHT:
+        ok = ok & (cols2 <= diag2 + window_right)
+    return ok
+
+
+@triton.jit
+def _query_block_range(n_first, n_last, seqlen_q, seqlen_k, window_left, window_right,
+                       BLOCK_M: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
+                       HAS_WINDOW_RIGHT: tl.constexpr):
+    """Query blocks that keys ``n_first..n_last`` (valid, sequence-local) are visible to: the
+    mirror of ``_triton_common.key_block_range``. Returns ``(lo, full_lo, full_hi, hi)``;
+    ``[full_lo, full_hi)`` see every one of the keys and lie inside ``seqlen_q`` (no mask).
+    Row ``i`` sees key ``j`` iff ``j - diag - right <= i <= j - diag + left``; every integer
+    division sees non-negative operands."""
+    diag = seqlen_k - seqlen_q
+    if HAS_WINDOW_RIGHT:
+        first_row = tl.maximum(n_first - diag - window_right, 0)
+        full_first_row = tl.maximum(n_last - diag - window_right, 0)
+    else:
+        first_row = 0
+        full_first_row = 0
+    if HAS_WINDOW_LEFT:
+        end_row = tl.maximum(tl.minimum(n_last - diag + window_left + 1, seqlen_q), 0)
+        full_end_row = tl.maximum(tl.minimum(n_first - diag + window_left + 1, seqlen_q), 0)
+    else:
+        end_row = seqlen_q
+        full_end_row = seqlen_q
+    lo = first_row // BLOCK_M
+    hi = tl.maximum(tl.cdiv(end_row, BLOCK_M), lo)
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(full_first_row, BLOCK_M), lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_end_row // BLOCK_M, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _safe_lse_log2(lse):
+    """LSE (natural) -> log2 units, -inf (no visible key) -> +inf so that P = 0 there."""
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. DELTA = rowsum(dO * O)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_delta_kernel(O, DO, DELTA, CU_SEQLENS_Q,
+                      stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
+                      stride_lb, stride_lh, stride_ls, seqlen_q_batched,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                      IS_VARLEN: tl.constexpr):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + batch)
+        seqlen_q = tl.load(CU_SEQLENS_Q + batch + 1) - q_start
+    else:
+        q_start = 0
+        seqlen_q = seqlen_q_batched
+    m_first = pid_m * BLOCK_M
+    if m_first >= seqlen_q:
+        return
+    batch64 = batch.to(tl.int64)
+    head64 = head.to(tl.int64)
+    row0 = (q_start + m_first).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = m_first + offs_m < seqlen_q
+    ok = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(O + batch64 * stride_ob + head64 * stride_oh + row0 * stride_os
+                + offs_m[:, None] * stride_os + offs_d[None, :], mask=ok, other=0.0)
+    do = tl.load(DO + batch64 * stride_dob + head64 * stride_doh + row0 * stride_dos
+                 + offs_m[:, None] * stride_dos + offs_d[None, :], mask=ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + batch64 * stride_lb + head64 * stride_lh + row0 * stride_ls
+             + offs_m * stride_ls, delta, mask=m_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. dK, dV: one program per (key block, batch, kv head), transposed (N, M) orientation so that
+#    P^T and dS^T come out of the score dot directly as the A operand of the dV / dK dots.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos,
+                stride_ls, block_lo, block_hi, cols, offs_d, seqlen_q, seqlen_k, qk_scale,
+                softcap_log2, alibi_slope_log2, window_left, window_right, seed_lo, seed_hi,
+                batch, head, num_heads_q, threshold, dropout_rescale,
+                MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
+                DROPOUT: tl.constexpr):
+    """Accumulates the contribution of query blocks ``[block_lo, block_hi)`` of one head."""
+    diag = seqlen_k - seqlen_q
+    offs_m = tl.arange(0, BLOCK_M)
+    d_ok = offs_d < HEAD_DIM
+    for block in range(block_lo, block_hi):
+        start_m = block * BLOCK_M
+        rows = start_m + offs_m
+        row64 = start_m.to(tl.int64)
+        q_t_ptrs = q_base + row64 * stride_qs + offs_m[None, :] * stride_qs + offs_d[:, None]
+        do_ptrs = do_base + row64 * stride_dos + offs_m[:, None] * stride_dos + offs_d[None, :]
+        if MASKED:
+            m_ok = rows < seqlen_q
+            q_t = tl.load(q_t_ptrs, mask=d_ok[:, None] & m_ok[None, :], other=0.0)
+            do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            lse = tl.load(lse_base + rows * stride_ls, mask=m_ok, other=0.0)
+            delta = tl.load(delta_base + rows * stride_ls, mask=m_ok, other=0.0)
+        else:
+            if BLOCK_D == HEAD_DIM:
+                q_t = tl.load(q_t_ptrs)
+                do = tl.load(do_ptrs)
+            else:
+                q_t = tl.load(q_t_ptrs, mask=d_ok[:, None], other=0.0)
+                do = tl.load(do_ptrs, mask=d_ok[None, :], other=0.0)
+            lse = tl.load(lse_base + rows * stride_ls)
+            delta = tl.load(delta_base + rows * stride_ls)
+        s_t, t_t = _scores(tl.dot(k, q_t), rows[None, :], cols[:, None], diag, qk_scale,
+                           softcap_log2, alibi_slope_log2, SOFTCAP, HAS_ALIBI)
+        if MASKED:
+            ok = _visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left,
+                          window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+            s_t = tl.where(ok, s_t, float("-inf"))
+        p_t = tl.exp2(s_t - _safe_lse_log2(lse)[None, :])
+        dp_t = tl.dot(v, tl.trans(do))
+        if DROPOUT:
+            row_hash = dropout_row_hash(seed_lo, seed_hi, batch, head, num_heads_q, rows)
+            keep_t = mix32(row_hash[None, :] ^ cols.to(tl.uint32)[:, None]) >= threshold
+            pd_t = tl.where(keep_t, p_t * dropout_rescale, 0.0)
+            dp_t = tl.where(keep_t, dp_t * dropout_rescale, 0.0)
+        else:
+            pd_t = p_t
+        dv += tl.dot(pd_t.to(do.dtype), do)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * (1.0 - t_t * t_t)
+        dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t))
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["threshold", "seed_lo", "seed_hi"])
+def _bwd_dkdv_kernel(
+        Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI,
+        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+        stride_dkb, stride_dks, stride_dkh, stride_lb, stride_lh, stride_ls, stride_ab,
+        seqlen_q_batched, seqlen_k_batched, num_heads_q,
+        softmax_scale, qk_scale, softcap_log2, window_left, window_right,
+        threshold, seed_lo, seed_hi, dropout_rescale,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr,
+        HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+        HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr):
+    pid_n = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    batch = tl.program_id(2)
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + batch)
+        seqlen_q = tl.load(CU_SEQLENS_Q + batch + 1) - q_start
+        k_start = tl.load(CU_SEQLENS_K + batch)
+        seqlen_k = tl.load(CU_SEQLENS_K + batch + 1) - k_start
+    else:
+        q_start = 0
+        k_start = 0
+        seqlen_q = seqlen_q_batched
+        seqlen_k = seqlen_k_batched
+    n_first = pid_n * BLOCK_N
+    if n_first >= seqlen_k:
+        return
+    n_last = tl.minimum(n_first + BLOCK_N, seqlen_k) - 1
+
+    batch64 = batch.to(tl.int64)
+    kv_head64 = kv_head.to(tl.int64)
+    q_row0 = q_start.to(tl.int64)
+    k_row0 = (k_start + n_first).to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    cols = n_first + offs_n
+    kv_ok = (cols < seqlen_k)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(K + batch64 * stride_kb + kv_head64 * stride_kh + k_row0 * stride_ks
+                + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0)
+    v = tl.load(V + batch64 * stride_vb + kv_head64 * stride_vh + k_row0 * stride_vs
+                + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    if DROPOUT:
+        thr = threshold.to(tl.uint32)
+    else:
+        thr = 0
+
+    lo, full_lo, full_hi, hi = _query_block_range(n_first, n_last, seqlen_q, seqlen_k,
+                                                  window_left, window_right, BLOCK_M,
+                                                  HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+    # A partial key block (past seqlen_k) needs the column bound on every block.
+    full_hi = tl.where(n_first + BLOCK_N <= seqlen_k, full_hi, full_lo)
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        head64 = head.to(tl.int64)
+        q_base = Q + batch64 * stride_qb + head64 * stride_qh + q_row0 * stride_qs
+        do_base = DO + batch64 * stride_dob + head64 * stride_doh + q_row0 * stride_dos
+        lse_base = LSE + batch64 * stride_lb + head64 * stride_lh + q_row0 * stride_ls
+        delta_base = DELTA + batch64 * stride_lb + head64 * stride_lh + q_row0 * stride_ls
+        if HAS_ALIBI:
+            alibi_slope_log2 = tl.load(ALIBI + batch64 * stride_ab + head) * LOG2E
+        else:
+            alibi_slope_log2 = 0.0
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos,
+            stride_ls, full_lo, full_hi, cols, offs_d, seqlen_q, seqlen_k, qk_scale,
+            softcap_log2, alibi_slope_log2, window_left, window_right, seed_lo, seed_hi,
+            batch, head, num_heads_q, thr, dropout_rescale, False, HEAD_DIM, BLOCK_M,
+            BLOCK_D, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT)
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos,
+            stride_ls, lo, full_lo, cols, offs_d, seqlen_q, seqlen_k, qk_scale,
+            softcap_log2, alibi_slope_log2, window_left, window_right, seed_lo, seed_hi,
+            batch, head, num_heads_q, thr, dropout_rescale, True, HEAD_DIM, BLOCK_M,
+            BLOCK_D, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT)
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos,
+            stride_ls, full_hi, hi, cols, offs_d, seqlen_q, seqlen_k, qk_scale,
+            softcap_log2, alibi_slope_log2, window_left, window_right, seed_lo, seed_hi,
+            batch, head, num_heads_q, thr, dropout_rescale, True, HEAD_DIM, BLOCK_M,
+            BLOCK_D, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT)
+
+    dk = dk * softmax_scale
+    out_offs = k_row0 * stride_dks + offs_n[:, None] * stride_dks + offs_d[None, :]
+    out_base = batch64 * stride_dkb + kv_head64 * stride_dkh
+    tl.store(DK + out_base + out_offs, dk.to(DK.dtype.element_ty), mask=kv_ok)
+    tl.store(DV + out_base + out_offs, dv.to(DV.dtype.element_ty), mask=kv_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. dQ: one program per (query block, query head, batch), (M, N) orientation as the forward.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, block_lo,
+              block_hi, rows, offs_n, offs_d, seqlen_q, seqlen_k, qk_scale, softcap_log2,
+              alibi_slope_log2, window_left, window_right, row_hash, threshold,
+              dropout_rescale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
+              HAS_ALIBI: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
+              HAS_WINDOW_RIGHT: tl.constexpr, DROPOUT: tl.constexpr):
+    """Accumulates ``dS K`` over key blocks ``[block_lo, block_hi)``."""
+    diag = seqlen_k - seqlen_q
+    d_ok = offs_d < HEAD_DIM
+    for block in range(block_lo, block_hi):
+        start_n = block * BLOCK_N
+        cols = start_n + offs_n
+        col64 = start_n.to(tl.int64)
+        k_t_ptrs = k_base + col64 * stride_ks + offs_n[None, :] * stride_ks + offs_d[:, None]
+        v_t_ptrs = v_base + col64 * stride_vs + offs_n[None, :] * stride_vs + offs_d[:, None]
+        if MASKED:
+            n_ok = cols < seqlen_k
+            k_t = tl.load(k_t_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+            v_t = tl.load(v_t_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        elif BLOCK_D == HEAD_DIM:
+            k_t = tl.load(k_t_ptrs)
+            v_t = tl.load(v_t_ptrs)
+        else:
+            k_t = tl.load(k_t_ptrs, mask=d_ok[:, None], other=0.0)
+            v_t = tl.load(v_t_ptrs, mask=d_ok[:, None], other=0.0)
+        s, t = _scores(tl.dot(q, k_t), rows[:, None], cols[None, :], diag, qk_scale,
+                       softcap_log2, alibi_slope_log2, SOFTCAP, HAS_ALIBI)
+        if MASKED:
+            ok = _visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left,
+                          window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+            s = tl.where(ok, s, float("-inf"))
+        p = tl.exp2(s - lse_log2[:, None])
+        dp = tl.dot(do, v_t)
+        if DROPOUT:
+            dp = tl.where(dropout_keep(row_hash, cols, threshold), dp * dropout_rescale, 0.0)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t))
+    return dq
+
+
+@triton.jit(do_not_specialize=["threshold", "seed_lo", "seed_hi"])
+def _bwd_dq_kernel(
+        Q, K, V, DO, LSE, DELTA, DQ, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI,
+        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+        stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ls, stride_ab,
+        seqlen_q_batched, seqlen_k_batched, num_heads_q,
+        softmax_scale, qk_scale, softcap_log2, window_left, window_right,
+        threshold, seed_lo, seed_hi, dropout_rescale,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr,
+        HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+        HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr):
+    # Heaviest query blocks first (bottom-right causal: the last rows see the most keys).
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + batch)
+        seqlen_q = tl.load(CU_SEQLENS_Q + batch + 1) - q_start
+        k_start = tl.load(CU_SEQLENS_K + batch)
+        seqlen_k = tl.load(CU_SEQLENS_K + batch + 1) - k_start
+    else:
+        q_start = 0
+        k_start = 0
+        seqlen_q = seqlen_q_batched
+        seqlen_k = seqlen_k_batched
+    m_first = pid_m * BLOCK_M
+    if m_first >= seqlen_q:
+        return
+    m_last = tl.minimum(m_first + BLOCK_M, seqlen_q) - 1
+
+    batch64 = batch.to(tl.int64)
+    head64 = head.to(tl.int64)
+    kv_head64 = (head // GROUP).to(tl.int64)
+    q_row0 = (q_start + m_first).to(tl.int64)
+    k_row0 = k_start.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = m_first + offs_m
+    m_ok = rows < seqlen_q
+    tile_ok = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(Q + batch64 * stride_qb + head64 * stride_qh + q_row0 * stride_qs
+                + offs_m[:, None] * stride_qs + offs_d[None, :], mask=tile_ok, other=0.0)
+    do = tl.load(DO + batch64 * stride_dob + head64 * stride_doh + q_row0 * stride_dos
+                 + offs_m[:, None] * stride_dos + offs_d[None, :], mask=tile_ok, other=0.0)
+    lse_offs = batch64 * stride_lb + head64 * stride_lh + q_row0 * stride_ls + offs_m * stride_ls
+    lse_log2 = _safe_lse_log2(tl.load(LSE + lse_offs, mask=m_ok, other=0.0))
+    delta = tl.load(DELTA + lse_offs, mask=m_ok, other=0.0)
+    k_base = K + batch64 * stride_kb + kv_head64 * stride_kh + k_row0 * stride_ks
+    v_base = V + batch64 * stride_vb + kv_head64 * stride_vh + k_row0 * stride_vs
+    if HAS_ALIBI:
+        alibi_slope_log2 = tl.load(ALIBI + batch64 * stride_ab + head) * LOG2E
+    else:
+        alibi_slope_log2 = 0.0
+    if DROPOUT:
+        row_hash = dropout_row_hash(seed_lo, seed_hi, batch, head, num_heads_q, rows)
+        thr = threshold.to(tl.uint32)
+    else:
+        row_hash = 0
+        thr = 0
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    lo, full_lo, full_hi, hi = key_block_range(m_first, m_last, seqlen_q, seqlen_k,
+                                               window_left, window_right, BLOCK_N,
+                                               HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+    # A partial query block (past seqlen_q) needs the row bound on every block.
+    full_hi = tl.where(m_first + BLOCK_M <= seqlen_q, full_hi, full_lo)
+    dq = _dq_inner(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, full_lo,
+                   full_hi, rows, offs_n, offs_d, seqlen_q, seqlen_k, qk_scale, softcap_log2,
+                   alibi_slope_log2, window_left, window_right, row_hash, thr,
+                   dropout_rescale, False, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI,
+                   HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT)
+    dq = _dq_inner(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, lo,
+                   full_lo, rows, offs_n, offs_d, seqlen_q, seqlen_k, qk_scale, softcap_log2,
+                   alibi_slope_log2, window_left, window_right, row_hash, thr,
+                   dropout_rescale, True, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI,
+                   HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT)
+    dq = _dq_inner(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, full_hi,
+                   hi, rows, offs_n, offs_d, seqlen_q, seqlen_k, qk_scale, softcap_log2,
+                   alibi_slope_log2, window_left, window_right, row_hash, thr,
+                   dropout_rescale, True, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI,
+                   HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT)
+
+    dq = dq * softmax_scale
+    tl.store(DQ + batch64 * stride_dqb + head64 * stride_dqh + q_row0 * stride_dqs
+             + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=tile_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile sizes: the one table, keyed by (arch, BLOCK_D). `benchmarks/tune_triton_bwd.py` measures
+# candidates on a GPU and writes `triton_bwd_configs.json` beside this file; its entries, with
+# their measured reasons, replace the defaults below for the (arch, BLOCK_D) they name.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdTiles:
+    dkdv_block_m: int  # query rows per inner step of the dK/dV kernel
+    dkdv_block_n: int  # keys owned by one dK/dV program (its two fp32 accumulators)
+    dq_block_m: int  # queries owned by one dQ program
+    dq_block_n: int  # keys per inner step of the dQ kernel
+    num_warps: int
+    num_stages: int
+    reason: str = ""
+
+
+_T = BwdTiles
+TILES = {
+    # Hopper defaults (FA2-style): a dK/dV program keeps 2 x BLOCK_N x BLOCK_D fp32 accumulators;
+    # 128 keys x D<=64 is 64 registers/thread at 8 warps, D=128 is 128, so BLOCK_N drops to 64
+    # at D=256. Query/key steps of 64/32 rows keep the per-step dots square enough for the MMA.
+    ("sm90", 16): _T(64, 128, 128, 64, 8, 3, "default: small D, large tiles amortise the loop"),
+    ("sm90", 32): _T(64, 128, 128, 64, 8, 3, "default: as D=64"),
+    ("sm90", 64): _T(64, 128, 128, 64, 8, 3, "default: 2x128x64 fp32 acc = 64 regs/thread"),
+    ("sm90", 128): _T(64, 128, 128, 64, 8, 2, "default: 2x128x128 fp32 acc = 128 regs/thread"),
+    ("sm90", 256): _T(32, 64, 64, 32, 8, 2, "default: D=256 register-bound, half tiles"),
+    ("sm80", 16): _T(64, 128, 128, 64, 8, 3, "default: Ampere, as sm90"),
+    ("sm80", 32): _T(64, 128, 128, 64, 8, 3, "default: Ampere, as sm90"),
+    ("sm80", 64): _T(64, 128, 128, 64, 8, 3, "default: Ampere, as sm90"),
+    ("sm80", 128): _T(32, 128, 128, 32, 8, 2, "default: Ampere 164 KB smem, thinner steps"),
+    ("sm80", 256): _T(32, 64, 64, 32, 8, 1, "default: Ampere, D=256 register-bound"),
+    ("generic", 16): _T(32, 64, 64, 32, 4, 2, "default: unknown arch, conservative"),
+    ("generic", 32): _T(32, 64, 64, 32, 4, 2, "default: unknown arch, conservative"),
+    ("generic", 64): _T(32, 64, 64, 32, 4, 2, "default: unknown arch, conservative"),
+    ("generic", 128): _T(32, 64, 64, 32, 4, 2, "default: unknown arch, conservative"),
+    ("generic", 256): _T(16, 32, 32, 16, 4, 1, "default: unknown arch, smallest footprint"),
+}
+for _d in (16, 32, 64, 128, 256):
+    # Interpreter: small, unequal steps so small test shapes cross several blocks both ways.
+    TILES[("interpreter", _d)] = _T(16, 32, 32, 16, 1, 1, "interpreter: tests cross blocks")
+del _d, _T
+CONFIG_FILE = Path(__file__).with_name("triton_bwd_configs.json")
+DELTA_BLOCK_M = 64  # rows per program of the rowsum(dO * O) pass: memory-bound, any size works
+
+
+@functools.cache
+def _tuned_tiles() -> dict:
+    """Measured entries from ``triton_bwd_configs.json`` (absent file: no overrides)."""
+    if not CONFIG_FILE.exists():
+        return {}
+    entries = json.loads(CONFIG_FILE.read_text())["backward"]
+    fields = [f.name for f in dataclasses.fields(BwdTiles)]
+    return {(e["arch"], int(e["block_d"])): BwdTiles(**{name: e[name] for name in fields})
+            for e in entries}
+
+
+def block_d_for(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def arch_of(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "interpreter"
+    major, _ = torch.cuda.get_device_capability(device)
+    return {9: "sm90", 8: "sm80"}.get(major, "generic")
+
+
+def tile_config(head_dim: int, device: torch.device) -> BwdTiles:
+    key = (arch_of(device), block_d_for(head_dim))
+    return _tuned_tiles().get(key, TILES[key])
+
+
+def _seq_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, sequence, head) strides of a (B, S, H, D) or varlen (T, H, D) tensor."""
+    if varlen:
+        return 0, t.stride(0), t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _lse_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, head, row) strides of a (B, Hq, Sq) or varlen (Hq, Tq) tensor."""
+    if varlen:
+        return 0, t.stride(0), t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _sink_gradient(s_aux, lse, delta, varlen: bool) -> torch.Tensor:
+    """``-sum_rows exp(s_aux[h] - lse) * delta`` per query head (fp32, deterministic)."""
+    sink = s_aux.float()[:, None] if varlen else s_aux.float()[None, :, None]
+    weight = torch.exp(sink - lse)
+    weight = torch.where(torch.isfinite(lse), weight, torch.zeros_like(weight))
+    dims = (1,) if varlen else (0, 2)
+    return -(weight * delta).sum(dim=dims)
+
+
+def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_seqlens_k, s_aux,
+             alibi_slopes, params: AttnParams, tiles: BwdTiles | None = None) -> None:
+    """Write ``dq`` (like q), ``dk``/``dv`` (like k/v, summed over each kv head's query group)
+    and ``ds_aux`` (float32 ``(Hq,)``, when ``s_aux`` is given).
+
+    Batched: q ``(B, Sq, Hq, D)``, lse ``(B, Hq, Sq)``; varlen (``cu_seqlens_q`` given): q
+    ``(Tq, Hq, D)``, lse ``(Hq, Tq)``. Inputs are validated by the caller. ``tiles`` overrides
+    the tile table (tests and the tuning script use it)."""
+    varlen = cu_seqlens_q is not None
+    head_dim = q.shape[-1]
+    num_heads_q, num_heads_kv = q.shape[-2], k.shape[-2]
+    assert num_heads_q % num_heads_kv == 0 and dout.stride(-1) == 1 and out.stride(-1) == 1
+    assert dq.is_contiguous() and dk.is_contiguous() and dv.is_contiguous()
+    if varlen:
+        batch = cu_seqlens_q.numel() - 1
+        seqlen_q = seqlen_k = 0
+        max_seqlen_q, max_seqlen_k = params.max_seqlen_q, params.max_seqlen_k
+    else:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
+    lse = lse.contiguous()
+    delta = torch.empty_like(lse)
+    cfg = tiles or tile_config(head_dim, q.device)
+    block_d = block_d_for(head_dim)
+    lse_strides = _lse_strides(lse, varlen)
+
+    if batch > 0 and max_seqlen_q > 0:
+        grid = (triton.cdiv(max_seqlen_q, DELTA_BLOCK_M), num_heads_q, batch)
+        _bwd_delta_kernel[grid](
+            out, dout, delta, cu_seqlens_q, *_seq_strides(out, varlen),
+            *_seq_strides(dout, varlen), *lse_strides, seqlen_q,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=DELTA_BLOCK_M, IS_VARLEN=varlen)
+
+    qk_scale, softcap_log2 = score_constants(params.softmax_scale, params.softcap)
+    threshold, seed_lo, seed_hi = dropout_constants(params.dropout_p, params.seed)
+    alibi_batch_stride = 0
+    if alibi_slopes is not None and alibi_slopes.dim() == 2:
+        alibi_batch_stride = alibi_slopes.stride(0)
+    common = (*_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
+              *_seq_strides(dout, varlen))
+    scalars = (*lse_strides, alibi_batch_stride, seqlen_q, seqlen_k, num_heads_q,
+               params.softmax_scale, qk_scale, softcap_log2, params.window_left,
+               params.window_right, threshold, seed_lo, seed_hi,
+               1.0 / (1.0 - params.dropout_p))
+    flags = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=num_heads_q // num_heads_kv,
+                 IS_VARLEN=varlen, HAS_WINDOW_LEFT=params.window_left >= 0,
+                 HAS_WINDOW_RIGHT=params.window_right >= 0, SOFTCAP=params.softcap > 0,
+                 HAS_ALIBI=alibi_slopes is not None, DROPOUT=params.dropout_p > 0,
+                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    if batch > 0 and max_seqlen_k > 0:
+        grid = (triton.cdiv(max_seqlen_k, cfg.dkdv_block_n), num_heads_kv, batch)
+        _bwd_dkdv_kernel[grid](
+            q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+            *common, *_seq_strides(dk, varlen), *scalars,
+            BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, **flags)
+    if batch > 0 and max_seqlen_q > 0:
+        grid = (triton.cdiv(max_seqlen_q, cfg.dq_block_m), num_heads_q, batch)
+        _bwd_dq_kernel[grid](
+            q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+            *common, *_seq_strides(dq, varlen), *scalars,
+            BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **flags)
+    if ds_aux is not None:
+        ds_aux.copy_(_sink_gradient(s_aux, lse, delta, varlen))

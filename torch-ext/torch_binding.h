@@ -1,0 +1,16 @@
+// Ops of the compiled extension (torch stable ABI). Registered in torch_binding.cpp.
+#pragma once
+
+#include <optional>
+
+#include <torch/csrc/stable/tensor.h>
+
+// hopper_fwd: sm90 forward attention into caller-allocated out / lse (see _cuda.py for the
+// Python side and csrc/flash_params.h for the semantics of every field).
+void hopper_fwd(torch::stable::Tensor q, torch::stable::Tensor k, torch::stable::Tensor v,
+                torch::stable::Tensor out, torch::stable::Tensor lse,
+                std::optional<torch::stable::Tensor> cu_seqlens_q,
+                std::optional<torch::stable::Tensor> cu_seqlens_k,
+                std::optional<torch::stable::Tensor> s_aux, int64_t max_seqlen_q,
+                int64_t max_seqlen_k, double scale, int64_t window_left, int64_t window_right,
+                double softcap);
