@@ -23,7 +23,8 @@ run_phase() {
   local start=$SECONDS
   log "phase $name: $*"
   if "$@" >"$OUT/$name.log" 2>&1; then
-    log "phase $name ok ($((SECONDS - start)) s)"
+    log "phase $name ok ($((SECONDS - start)) s); tail of $name.log:"
+    tail -n 6 "$OUT/$name.log"
   else
     log "phase $name FAILED ($((SECONDS - start)) s); tail of $name.log:"
     tail -n 40 "$OUT/$name.log"
@@ -49,11 +50,15 @@ for phase in "${phases[@]}"; do
       [[ -n $variant ]] && run_phase check python3 -m flash_attn_hub check "$variant"
       ;;
     test)
-      run_phase test python3 -m pytest -m gpu -q -x --junitxml="$OUT/gpu-tests.xml" tests
+      # TEST_ARGS narrows the run, e.g. "tests/test_gpu.py -k gqa".
+      # shellcheck disable=SC2086
+      run_phase test timeout "${TEST_TIMEOUT:-1200}" python3 -m pytest -m gpu -q -rfE ${TEST_ARGS:-tests}
       ;;
     bench)
-      run_phase bench python3 -m flash_attn_hub bench --grid "${BENCH_GRID:-standard}" \
-        --kernel-dir build --out "$OUT/bench"
+      # BENCH_ARGS narrows the run, e.g. "--grid standard --seqlens 4k,16k --head-dims 128".
+      # shellcheck disable=SC2086
+      run_phase bench timeout "${BENCH_TIMEOUT:-1200}" python3 -m flash_attn_hub bench \
+        ${BENCH_ARGS:---grid standard} --kernel-dir build --out "$OUT/bench" --no-progress
       ;;
     hub)
       run_phase hub python3 -m flash_attn_hub release --allow-dirty
@@ -67,6 +72,12 @@ for phase in "${phases[@]}"; do
     *)
       log "unknown phase $phase"; status=1 ;;
   esac
+done
+# Results come back as few files: one archive per result folder.
+for dir in bench train; do
+  if [[ -d $OUT/$dir ]]; then
+    tar czf "$OUT/$dir.tgz" -C "$OUT" "$dir" && rm -rf "${OUT:?}/$dir"
+  fi
 done
 log "done, status $status"
 exit $status
