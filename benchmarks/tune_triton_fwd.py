@@ -1,7 +1,7 @@
 """GPU ONLY: measure candidate tile configs of the Triton forward kernel, write the tuning file.
 
-    python benchmarks/tune_triton_fwd.py                    # all head-dim buckets, writes
-                                                            # torch-ext/flash_attn/triton_fwd_configs.json
+    python benchmarks/tune_triton_fwd.py      # every head-dim bucket; writes the package's
+                                              # torch-ext/flash_attn/triton_fwd_configs.json
     python benchmarks/tune_triton_fwd.py --head-dims 128 --quick --out /tmp/t.json
 
 For each head-dim bucket it times every candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``

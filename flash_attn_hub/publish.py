@@ -110,7 +110,9 @@ def local_variants(build_dir: Path) -> dict[str, tuple[Path, VariantState]]:
     if not build_dir.is_dir():
         raise PublishError(f"build_dir: {build_dir} is not a directory (run `python -m flash_attn_hub build`)")
     found = {}
-    for path in sorted(p for p in build_dir.iterdir() if p.is_dir() and p.name not in _SKIPPED_PARTS):
+    # Hidden folders (the compile cache build/.cache) are the build's own, not variants.
+    for path in sorted(p for p in build_dir.iterdir()
+                       if p.is_dir() and p.name not in _SKIPPED_PARTS and not p.name.startswith(".")):
         try:
             parse_variant(path.name)
         except ValueError:

@@ -46,7 +46,7 @@ for phase in "${phases[@]}"; do
       ;;
     build)
       run_phase build python3 -m flash_attn_hub build --backend cuda
-      variant=$(ls -d build/*/ 2>/dev/null | grep -v '\.cache' | head -n 1)
+      variant=$(tail -n 1 "$OUT/build.log")  # build prints the variant path last
       [[ -n $variant ]] && run_phase check python3 -m flash_attn_hub check "$variant"
       ;;
     test)

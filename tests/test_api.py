@@ -341,8 +341,9 @@ class _OnCuda:
 class _FakeCuda:
     """A ``_cuda`` module that supports forwards only."""
 
-    def __init__(self):
+    def __init__(self, validated=True):
         self.calls = []
+        self.VALIDATED = validated
 
     def supports(self, q, k, params, *, backward, varlen, alibi, sink):
         self.calls.append(dict(backward=backward, varlen=varlen, alibi=alibi, sink=sink))
@@ -379,6 +380,17 @@ def test_dispatch_cuda_tensors(dispatch, monkeypatch, requested, direction, expe
     if requested in ("auto", "cuda"):
         assert fake.calls == [dict(backward=direction == "backward", varlen=True, alibi=False,
                                    sink=True)]
+
+
+@pytest.mark.kernels_ci
+def test_dispatch_auto_skips_unvalidated_cuda(dispatch, monkeypatch):
+    fake = _FakeCuda(validated=False)
+    monkeypatch.setattr(dispatch, "_cuda", lambda: fake)
+    monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "auto")
+    assert _select(dispatch, "forward") == "_triton_fwd"
+    assert fake.calls == []
+    monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "cuda")
+    assert _select(dispatch, "forward") == "_cuda"
 
 
 @pytest.mark.kernels_ci

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import itertools
 import math
 
 import pytest
@@ -36,7 +37,10 @@ def cuda_backend(flash_attn):
 
 @pytest.fixture(scope="module")
 def triton_fwd(flash_attn):
-    return importlib.import_module(flash_attn.__name__ + "._triton_fwd")
+    try:
+        return importlib.import_module(flash_attn.__name__ + "._triton_fwd")
+    except ModuleNotFoundError:
+        pytest.skip("this build has no Triton forward")
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +142,7 @@ def test_sinks(cuda_backend, attn_params, sq, sk):
         _, lse = _check(cuda_backend, q, k, v,
                         _params(attn_params, 128, causal=causal, max_q=sq, max_k=sk), s_aux=s_aux)
         if causal and sq > sk:
-            torch.testing.assert_close(lse[:, :, 0], s_aux.expand(2, 4), rtol=0, atol=1e-6)
+            torch.testing.assert_close(lse[:, :, 0], s_aux.expand(2, 4), rtol=0, atol=1e-5)
 
 
 @pytest.mark.gpu
@@ -158,8 +162,8 @@ def test_varlen_with_empty_sequences(cuda_backend, attn_params, window, d):
     torch.manual_seed(11)
     seq_q = [0, 17, 128, 1, 300, 5, 129]
     seq_k = [5, 0, 200, 1, 300, 0, 77]
-    cu_q = torch.tensor([0] + list(torch.tensor(seq_q).cumsum(0)), device="cuda", dtype=torch.int32)
-    cu_k = torch.tensor([0] + list(torch.tensor(seq_k).cumsum(0)), device="cuda", dtype=torch.int32)
+    cu_q = torch.tensor([0, *itertools.accumulate(seq_q)], device="cuda", dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(seq_k)], device="cuda", dtype=torch.int32)
     q = torch.randn(sum(seq_q), 4, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(sum(seq_k), 2, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(sum(seq_k), 2, d, device="cuda", dtype=torch.bfloat16)

@@ -41,7 +41,7 @@ def _reference_kwargs(kwargs, seed):
 def _dropout_seed():
     """The seed the API draws for the next dropout call (it uses the CPU generator)."""
     state = torch.random.get_rng_state()
-    seed = int(torch.randint(0, 2**63, (), device="cpu", dtype=torch.int64))
+    seed = int(torch.randint(0, 2**63 - 1, (), device="cpu", dtype=torch.int64))
     torch.random.set_rng_state(state)
     return seed
 

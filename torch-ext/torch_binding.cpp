@@ -8,6 +8,8 @@
 #endif
 #include <Python.h>
 
+#include <dlfcn.h>
+
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
@@ -22,18 +24,43 @@ using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 
 // Provided by libtorch_cuda (declared in the shim under USE_CUDA). Weak, so that a binary linked
-// without libtorch_cuda still loads; the op then reports the missing link instead of crashing.
+// without libtorch_cuda still loads; the symbol is then looked up in the already loaded library.
 extern "C" __attribute__((weak)) AOTITorchError aoti_torch_get_current_cuda_stream(
     int32_t device_index, void** ret_stream);
 
+// [Note] Finding the current stream without a link to libtorch_cuda
+// A build made on a machine without CUDA torch cannot link libtorch_cuda, and torch loads that
+// library privately, so the weak symbol above stays null. The fallback asks the dynamic loader
+// for the copy torch already loaded (RTLD_NOLOAD). dlopen/dlsym are pinned to their oldest
+// symbol version (manylinux_2_28 allows glibc <= 2.28) and are weak, so a loader without them
+// only disables the fallback.
+#pragma weak dlopen
+#pragma weak dlsym
+__asm__(".symver dlopen,dlopen@GLIBC_2.2.5");
+__asm__(".symver dlsym,dlsym@GLIBC_2.2.5");
+
 namespace {
 
+using GetStreamFn = AOTITorchError (*)(int32_t, void**);
+
+GetStreamFn stream_getter() {
+  static const GetStreamFn fn = []() -> GetStreamFn {
+    if (aoti_torch_get_current_cuda_stream != nullptr) return &aoti_torch_get_current_cuda_stream;
+    if (&dlopen == nullptr || &dlsym == nullptr) return nullptr;
+    void* lib = dlopen("libtorch_cuda.so", RTLD_NOLOAD | RTLD_LAZY);
+    if (lib == nullptr) return nullptr;
+    return reinterpret_cast<GetStreamFn>(dlsym(lib, "aoti_torch_get_current_cuda_stream"));
+  }();
+  return fn;
+}
+
 void* current_cuda_stream(int32_t device_index) {
-  STD_TORCH_CHECK(aoti_torch_get_current_cuda_stream != nullptr,
-                  "hopper_fwd: the current CUDA stream is unavailable (the extension must be "
-                  "linked against libtorch_cuda)");
+  const GetStreamFn get = stream_getter();
+  STD_TORCH_CHECK(get != nullptr,
+                  "hopper_fwd: the current CUDA stream is unavailable (libtorch_cuda is neither "
+                  "linked nor loaded)");
   void* stream = nullptr;
-  STD_TORCH_CHECK(aoti_torch_get_current_cuda_stream(device_index, &stream) == AOTI_TORCH_SUCCESS,
+  STD_TORCH_CHECK(get(device_index, &stream) == AOTI_TORCH_SUCCESS,
                   "hopper_fwd: could not get the current CUDA stream");
   return stream;
 }

@@ -14,6 +14,9 @@
 // Key blocks are visited from the last visible one down to the first, so the partial blocks at
 // the sequence end (and the diagonal) come first; each block is masked only when its rectangle
 // touches an invisible element (BandMask::needs_mask), so interior blocks pay nothing.
+// Inside a consumer the S GEMM of block n and the P V GEMM of block n+1 are in flight together
+// and the softmax of block n overlaps the latter (see the [Note] in the loop). The two consumer
+// warpgroups are not yet scheduled against each other (no pingpong barriers).
 //
 // [Note] Barrier protocol
 // full_k[s]/full_v[s]: init count 1; the producer arrives once with the expected byte count and
@@ -239,6 +242,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   mma_o.accumulate_ = gmma::ScaleOut::One;
 
   Tensor tOrP = make_tensor<Element>(AOperandShape<N / 8>{});
+  Tensor tOrP_words = recast<uint32_t>(tOrP);  // for compiler fences around the async read of P
   float corr[2];
   // Scores of key block n, already in tSrS: hooks, mask when the block needs it, softmax.
   auto scores_to_probs = [&](int n) {
@@ -276,6 +280,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       warpgroup_commit_batch();
       Barrier::wait(&full_v[st_v.stage], st_v.phase);
       warpgroup_fence_operand(tOrO);
+      warpgroup_fence_operand(tOrP_words);
       warpgroup_arrive();
       CUTE_UNROLL
       for (int kb = 0; kb < size<2>(tOrP); ++kb) {
@@ -288,6 +293,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       scores_to_probs(n);
       warpgroup_wait<0>();  // P V of block n+1 is in
       warpgroup_fence_operand(tOrO);
+      warpgroup_fence_operand(tOrP_words);
       Barrier::arrive(&empty_v[st_v.stage]);
       OnlineSoftmax::rescale(tOrO, corr);
       to_a_operand(tSrS, tOrP);

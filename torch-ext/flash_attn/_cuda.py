@@ -22,6 +22,12 @@ from ._params import AttnParams
 _COMPILED_HEAD_DIMS = (64, 96, 128, 192, 256)
 # END GENERATED
 
+# [Note: validation] The first GPU run of this kernel crashed (segmentation fault in a varlen
+# call, 2026-12-02), so ``auto`` dispatch does not use it; it runs only with
+# FLASH_ATTN_HUB_BACKEND=cuda. Set to True once tests/test_cuda_fwd.py and tests/test_gpu.py
+# pass on an H200 and compute-sanitizer is clean.
+VALIDATED = False
+
 _DTYPES = (torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = max(_COMPILED_HEAD_DIMS)
 _MAX_GRID_Y_Z = 65535  # heads and batch are grid dimensions

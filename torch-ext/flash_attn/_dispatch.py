@@ -2,9 +2,9 @@
 
 ``FLASH_ATTN_HUB_BACKEND`` (read on every call, so tests and users can switch it at run time):
 
-* ``auto`` (default): CUDA tensors go to the compiled Hopper backend ``_cuda`` when the build
-  ships it and ``_cuda.supports(...)`` accepts the call, else to Triton; CPU tensors go to
-  ``_cpu``.
+* ``auto`` (default): CUDA tensors go to Triton; CPU tensors go to ``_cpu``. The compiled
+  Hopper forward ``_cuda`` joins ``auto`` only once ``_cuda.VALIDATED`` is true, i.e. after it
+  has passed the GPU test matrix; until then it runs only when asked for with ``cuda``.
 * ``triton``: the Triton kernels (``_triton_fwd`` / ``_triton_bwd``). On CPU tensors only under
   Triton's interpreter (``TRITON_INTERPRET=1``).
 * ``cuda``: the compiled backend for the forward, an error when it is missing or does not
@@ -90,6 +90,9 @@ def _choose(requested: str, direction: str, q, k, params: AttnParams, features: 
     if requested == "triton":
         return "triton", f"{ENV_BACKEND}=triton"
     cuda = _cuda()
+    if requested == "auto" and cuda is not None and not getattr(cuda, "VALIDATED", False):
+        return "triton", (f"the CUDA backend is not yet validated on a GPU; "
+                          f"{ENV_BACKEND}=cuda opts in")
     if cuda is not None and cuda.supports(q, k, params, backward=direction == "backward",
                                           **features):
         return "cuda", f"{ENV_BACKEND}={requested}, supported by the CUDA backend"

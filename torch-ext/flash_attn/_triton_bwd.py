@@ -43,6 +43,12 @@ output, so DELTA already accounts for dropout); softcap multiplies dS by ``1 - t
 scale applied once to the fp32 accumulators. The sink logit gets
 ``ds_aux[h] = -sum_rows exp(s_aux[h] - LSE) * DELTA`` (its own dP is 0), a few torch ops.
 
+[Note: padding lanes] A program's own tile may hang past its sequence (the last key block in
+the dK/dV kernel, the last query block in the dQ kernel). Its padding lanes are loaded as zeros
+and never stored, and each dK/dV row depends only on its own key (each dQ row only on its own
+query), so the interior loop may run over them unmasked: only the loop dimension needs the
+bounds, and ``_query_block_range`` / ``key_block_range`` keep interior blocks inside it.
+
 [Note: offsets] Per-program bases (batch, head, sequence start) and per-block offsets are
 int64; in-tile offsets stay int32, so tensors beyond 2**31 elements address correctly.
 """
@@ -289,8 +295,6 @@ def _bwd_dkdv_kernel(
     lo, full_lo, full_hi, hi = _query_block_range(n_first, n_last, seqlen_q, seqlen_k,
                                                   window_left, window_right, BLOCK_M,
                                                   HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
-    # A partial key block (past seqlen_k) needs the column bound on every block.
-    full_hi = tl.where(n_first + BLOCK_N <= seqlen_k, full_hi, full_lo)
     for g in range(GROUP):
         head = kv_head * GROUP + g
         head64 = head.to(tl.int64)
@@ -444,8 +448,6 @@ def _bwd_dq_kernel(
     lo, full_lo, full_hi, hi = key_block_range(m_first, m_last, seqlen_q, seqlen_k,
                                                window_left, window_right, BLOCK_N,
                                                HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
-    # A partial query block (past seqlen_q) needs the row bound on every block.
-    full_hi = tl.where(m_first + BLOCK_M <= seqlen_q, full_hi, full_lo)
     dq = _dq_inner(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, full_lo,
                    full_hi, rows, offs_n, offs_d, seqlen_q, seqlen_k, qk_scale, softcap_log2,
                    alibi_slope_log2, window_left, window_right, row_hash, thr,
@@ -477,39 +479,40 @@ def _bwd_dq_kernel(
 
 @dataclasses.dataclass(frozen=True)
 class BwdTiles:
+    """One row of the table: each of the two main kernels has its own tiles and launch shape
+    (they are independent launches, so the tuning script sweeps them one at a time)."""
     dkdv_block_m: int  # query rows per inner step of the dK/dV kernel
     dkdv_block_n: int  # keys owned by one dK/dV program (its two fp32 accumulators)
+    dkdv_warps: int
+    dkdv_stages: int
     dq_block_m: int  # queries owned by one dQ program
     dq_block_n: int  # keys per inner step of the dQ kernel
-    num_warps: int
-    num_stages: int
+    dq_warps: int
+    dq_stages: int
     reason: str = ""
 
 
 _T = BwdTiles
 TILES = {
-    # Hopper defaults (FA2-style): a dK/dV program keeps 2 x BLOCK_N x BLOCK_D fp32 accumulators;
-    # 128 keys x D<=64 is 64 registers/thread at 8 warps, D=128 is 128, so BLOCK_N drops to 64
-    # at D=256. Query/key steps of 64/32 rows keep the per-step dots square enough for the MMA.
-    ("sm90", 16): _T(64, 128, 128, 64, 8, 3, "default: small D, large tiles amortise the loop"),
-    ("sm90", 32): _T(64, 128, 128, 64, 8, 3, "default: as D=64"),
-    ("sm90", 64): _T(64, 128, 128, 64, 8, 3, "default: 2x128x64 fp32 acc = 64 regs/thread"),
-    ("sm90", 128): _T(64, 128, 128, 64, 8, 2, "default: 2x128x128 fp32 acc = 128 regs/thread"),
-    ("sm90", 256): _T(32, 64, 64, 32, 8, 2, "default: D=256 register-bound, half tiles"),
-    ("sm80", 16): _T(64, 128, 128, 64, 8, 3, "default: Ampere, as sm90"),
-    ("sm80", 32): _T(64, 128, 128, 64, 8, 3, "default: Ampere, as sm90"),
-    ("sm80", 64): _T(64, 128, 128, 64, 8, 3, "default: Ampere, as sm90"),
-    ("sm80", 128): _T(32, 128, 128, 32, 8, 2, "default: Ampere 164 KB smem, thinner steps"),
-    ("sm80", 256): _T(32, 64, 64, 32, 8, 1, "default: Ampere, D=256 register-bound"),
-    ("generic", 16): _T(32, 64, 64, 32, 4, 2, "default: unknown arch, conservative"),
-    ("generic", 32): _T(32, 64, 64, 32, 4, 2, "default: unknown arch, conservative"),
-    ("generic", 64): _T(32, 64, 64, 32, 4, 2, "default: unknown arch, conservative"),
-    ("generic", 128): _T(32, 64, 64, 32, 4, 2, "default: unknown arch, conservative"),
-    ("generic", 256): _T(16, 32, 32, 16, 4, 1, "default: unknown arch, smallest footprint"),
+    # Defaults before measurement (FA2-style). A dK/dV program holds 2 x BLOCK_N x BLOCK_D fp32
+    # accumulators: 128 keys at D<=64 cost 64 registers/thread at 8 warps, at D=128 128, so
+    # D=256 halves BLOCK_N. The dQ program holds one BLOCK_M x BLOCK_D accumulator plus Q and
+    # dO tiles, so it can own twice the rows. Inner steps of 32-64 keep the dots MMA-sized.
+    ("sm90", 16): _T(64, 128, 8, 3, 128, 64, 8, 3, "default: small D, as D=64"),
+    ("sm90", 32): _T(64, 128, 8, 3, 128, 64, 8, 3, "default: small D, as D=64"),
+    ("sm90", 64): _T(64, 128, 8, 3, 128, 64, 8, 3, "default: 2x128x64 fp32 acc, 64 regs/th"),
+    ("sm90", 128): _T(64, 128, 8, 2, 128, 64, 8, 2, "default: 2x128x128 fp32 acc, 128 regs/th"),
+    ("sm90", 256): _T(32, 64, 8, 2, 64, 32, 8, 2, "default: D=256 register-bound, half tiles"),
+    ("sm80", 16): _T(64, 128, 8, 3, 128, 64, 8, 3, "default: Ampere, as sm90"),
+    ("sm80", 32): _T(64, 128, 8, 3, 128, 64, 8, 3, "default: Ampere, as sm90"),
+    ("sm80", 64): _T(64, 128, 8, 3, 128, 64, 8, 3, "default: Ampere, as sm90"),
+    ("sm80", 128): _T(32, 128, 8, 2, 128, 32, 8, 2, "default: Ampere 164 KB smem, thin steps"),
+    ("sm80", 256): _T(32, 64, 8, 1, 64, 32, 8, 1, "default: Ampere, D=256 register-bound"),
 }
 for _d in (16, 32, 64, 128, 256):
+    TILES[("generic", _d)] = _T(32, 64, 4, 2, 64, 32, 4, 2, "default: unknown arch, small")
     # Interpreter: small, unequal steps so small test shapes cross several blocks both ways.
-    TILES[("interpreter", _d)] = _T(16, 32, 32, 16, 1, 1, "interpreter: tests cross blocks")
+    TILES[("interpreter", _d)] = _T(16, 32, 1, 1, 32, 16, 1, 1, "interpreter: tests cross blocks")
 del _d, _T
 CONFIG_FILE = Path(__file__).with_name("triton_bwd_configs.json")
 DELTA_BLOCK_M = 64  # rows per program of the rowsum(dO * O) pass: memory-bound, any size works
@@ -612,20 +615,21 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
     flags = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=num_heads_q // num_heads_kv,
                  IS_VARLEN=varlen, HAS_WINDOW_LEFT=params.window_left >= 0,
                  HAS_WINDOW_RIGHT=params.window_right >= 0, SOFTCAP=params.softcap > 0,
-                 HAS_ALIBI=alibi_slopes is not None, DROPOUT=params.dropout_p > 0,
-                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                 HAS_ALIBI=alibi_slopes is not None, DROPOUT=params.dropout_p > 0)
 
     if batch > 0 and max_seqlen_k > 0:
         grid = (triton.cdiv(max_seqlen_k, cfg.dkdv_block_n), num_heads_kv, batch)
         _bwd_dkdv_kernel[grid](
             q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
             *common, *_seq_strides(dk, varlen), *scalars,
-            BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, **flags)
+            BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps,
+            num_stages=cfg.dkdv_stages, **flags)
     if batch > 0 and max_seqlen_q > 0:
         grid = (triton.cdiv(max_seqlen_q, cfg.dq_block_m), num_heads_q, batch)
         _bwd_dq_kernel[grid](
             q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
             *common, *_seq_strides(dq, varlen), *scalars,
-            BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **flags)
+            BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, num_warps=cfg.dq_warps,
+            num_stages=cfg.dq_stages, **flags)
     if ds_aux is not None:
         ds_aux.copy_(_sink_gradient(s_aux, lse, delta, varlen))

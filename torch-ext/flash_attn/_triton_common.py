@@ -12,12 +12,19 @@ so the loop can use ``exp2``. Softcap and ALiBi are defined on natural-unit
 scores, so when SOFTCAP is on we undo the fold inside the hook; ALiBi slopes are
 multiplied by log2(e) once per program. The same hooks run in forward and
 backward, so both see bitwise the same scores.
+
+Helpers: ``scores_log2`` (the score hook: scale, softcap, ALiBi) with its host-side
+``score_constants``; ``visible`` (the band mask); ``key_block_range`` (which key blocks a query
+block sees, split into unmasked interior and masked edges); ``dropout_row_hash``/``dropout_keep``
+with host-side ``dropout_constants``; ``tanh``; ``LOG2E`` (a constexpr).
 """
 
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+# A constexpr: compiled kernels may read only constexpr globals (the interpreter does not check
+# this). Host code uses ``LOG2E.value``.
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -67,8 +74,8 @@ def score_constants(softmax_scale: float, softcap: float) -> tuple[float, float]
     is unused; with softcap ``qk_scale = scale / softcap`` (the tanh argument) and
     ``softcap_log2 = softcap * log2(e)``."""
     if softcap > 0:
-        return softmax_scale / softcap, softcap * LOG2E
-    return softmax_scale * LOG2E, 0.0
+        return softmax_scale / softcap, softcap * LOG2E.value
+    return softmax_scale * LOG2E.value, 0.0
 
 
 def dropout_constants(dropout_p: float, seed: int) -> tuple[int, int, int]:

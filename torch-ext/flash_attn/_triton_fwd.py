@@ -199,32 +199,42 @@ def _attn_fwd_kernel(
 
 # ---------------------------------------------------------------------------------------------
 # Tile sizes: the one table. Keyed by (arch, BLOCK_D); entries are
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, reason). `benchmarks/tune_triton_fwd.py` measures
-# candidates on a GPU and writes `triton_fwd_configs.json` beside this file; its entries, with
-# their measured reasons, replace the defaults below for the (arch, BLOCK_D) they name.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, reason). No GPU timing stands behind the defaults
+# yet: each reason quotes ptxas for a bf16 compile of the kernel with every feature on (registers
+# per thread, spills, shared memory), the static constraint that ruled out the neighbours.
+# `benchmarks/tune_triton_fwd.py` times candidates on a GPU and writes `triton_fwd_configs.json`
+# beside this file; its entries, with their measured reasons, replace the defaults below for the
+# (arch, BLOCK_D) they name.
 # ---------------------------------------------------------------------------------------------
 
+_SM90_64 = (128, 64, 8, 3, "ptxas sm90: 225 regs, 0 spills, 64 KB smem; 4 warps hit 255 and spill")
+_SM80_64 = (128, 64, 8, 3, "ptxas sm80: 189 regs, 0 spills, 48 KB smem; 4 warps hit 255 regs")
+_INTERP = (32, 16, 1, 1, "interpreter: small, BLOCK_M != BLOCK_N, so tests cross both kinds")
 TILES = {
-    ("sm90", 16): (128, 64, 4, 3, "default: tiny D, a 128-row Q tile keeps the SM busy"),
-    ("sm90", 32): (128, 64, 4, 3, "default: as D=64, registers are not the limit"),
-    ("sm90", 64): (128, 64, 4, 3, "default: FA2-style 128x64, 3 stages fit smem easily"),
-    ("sm90", 128): (128, 64, 8, 3, "default: 8 warps hold the 128x128 fp32 acc (64 regs/th)"),
-    ("sm90", 256): (64, 64, 4, 2, "default: 256-wide acc; 2 stages keep K/V smem < 128 KB"),
-    ("sm80", 16): (128, 64, 4, 3, "default: Ampere, as sm90"),
-    ("sm80", 32): (128, 64, 4, 3, "default: Ampere, as sm90"),
-    ("sm80", 64): (128, 64, 4, 3, "default: Ampere, FA2 choice for D<=64"),
-    ("sm80", 128): (128, 64, 8, 2, "default: Ampere 164 KB smem, 2 stages of 64x128 K/V"),
-    ("sm80", 256): (64, 64, 4, 2, "default: Ampere, D=256 register-bound"),
-    ("generic", 16): (64, 64, 4, 2, "default: unknown arch, conservative"),
-    ("generic", 32): (64, 64, 4, 2, "default: unknown arch, conservative"),
-    ("generic", 64): (64, 64, 4, 2, "default: unknown arch, conservative"),
-    ("generic", 128): (64, 64, 4, 2, "default: unknown arch, conservative"),
-    ("generic", 256): (64, 32, 4, 1, "default: unknown arch, smallest smem footprint"),
-    ("interpreter", 16): (32, 16, 1, 1, "interpreter: BLOCK_M != BLOCK_N so tests cross both"),
-    ("interpreter", 32): (32, 16, 1, 1, "interpreter: BLOCK_M != BLOCK_N so tests cross both"),
-    ("interpreter", 64): (32, 16, 1, 1, "interpreter: BLOCK_M != BLOCK_N so tests cross both"),
-    ("interpreter", 128): (32, 16, 1, 1, "interpreter: BLOCK_M != BLOCK_N so tests cross both"),
-    ("interpreter", 256): (32, 16, 1, 1, "interpreter: BLOCK_M != BLOCK_N so tests cross both"),
+    ("sm90", 16): _SM90_64,
+    ("sm90", 32): _SM90_64,
+    ("sm90", 64): _SM90_64,
+    ("sm90", 128): (128, 64, 8, 3, "ptxas sm90: 255 regs, 0 spills, 128 KB smem; 128x128 "
+                                   "spills 52 B, 4 warps spill"),
+    ("sm90", 256): (128, 32, 8, 2, "ptxas sm90: 255 regs, 0 spills, 128 KB smem; 64x64 spills "
+                                   "32 B, 128x64 spills 68 B"),
+    ("sm80", 16): _SM80_64,
+    ("sm80", 32): _SM80_64,
+    ("sm80", 64): _SM80_64,
+    ("sm80", 128): (128, 64, 8, 2, "ptxas sm80: 255 regs, 0 spills, 64 KB smem; 4 warps spill "
+                                   "44 B"),
+    ("sm80", 256): (64, 64, 8, 2, "ptxas sm80: 255 regs, 32 B spills, 104 KB smem; 128x32 "
+                                  "spills 868 B, 4 warps 360 B"),
+    ("generic", 16): (64, 64, 4, 2, "unknown arch: conservative, small smem footprint"),
+    ("generic", 32): (64, 64, 4, 2, "unknown arch: conservative, small smem footprint"),
+    ("generic", 64): (64, 64, 4, 2, "unknown arch: conservative, small smem footprint"),
+    ("generic", 128): (64, 64, 4, 2, "unknown arch: conservative, small smem footprint"),
+    ("generic", 256): (64, 32, 4, 1, "unknown arch: smallest smem footprint"),
+    ("interpreter", 16): _INTERP,
+    ("interpreter", 32): _INTERP,
+    ("interpreter", 64): _INTERP,
+    ("interpreter", 128): _INTERP,
+    ("interpreter", 256): _INTERP,
 }
 CONFIG_FILE = Path(__file__).with_name("triton_fwd_configs.json")
 
@@ -235,6 +245,7 @@ def _tuned_tiles() -> dict:
     if not CONFIG_FILE.exists():
         return {}
     entries = json.loads(CONFIG_FILE.read_text())["forward"]
+    logger.info("Triton forward tiles: %d measured entries from %s", len(entries), CONFIG_FILE.name)
     return {(e["arch"], int(e["block_d"])): (int(e["block_m"]), int(e["block_n"]),
                                              int(e["num_warps"]), int(e["num_stages"]),
                                              e["reason"]) for e in entries}
@@ -251,11 +262,15 @@ def arch_of(device: torch.device) -> str:
     return {9: "sm90", 8: "sm80"}.get(major, "generic")
 
 
-def tile_config(head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for this head dim on this device."""
-    key = (arch_of(device), block_d_for(head_dim))
+def tile_config_for(arch: str, head_dim: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for this head dim on ``arch``."""
+    key = (arch, block_d_for(head_dim))
     block_m, block_n, num_warps, num_stages, _ = _tuned_tiles().get(key, TILES[key])
     return block_m, block_n, num_warps, num_stages
+
+
+def tile_config(head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
+    return tile_config_for(arch_of(device), head_dim)
 
 
 def forward(q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slopes,

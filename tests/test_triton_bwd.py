@@ -1,0 +1,393 @@
+"""The Triton backward kernels (`_triton_bwd.backward`) against the float64 reference.
+
+The launcher is called as the dispatcher calls it: dq/dk/dv/ds_aux poisoned with NaN, an
+`AttnParams` already normalised. Its forward inputs (out, lse) come from the float64 reference
+cast to the input dtype / float32, so these tests do not depend on the Triton forward. Every
+gradient is checked with the tolerance rule (`assert_close_to_reference`): our error against
+float64 autograd must stay within twice PyTorch's own error, the reference's gradients
+evaluated at ``dtype=q.dtype``.
+
+Without a GPU the kernels run under Triton's interpreter on CPU tensors, in fp16 only (the
+interpreter computes bf16 dots wrongly). The interpreter is slow, so shapes stay small but
+awkward (1, 17, 113, Sq != Sk), and small tiles make them cross several blocks both ways, so
+the interior (unmasked) and edge (masked) loops both run. GQA and MQA backward get the most
+cases: their dK/dV group reduction is where published kernels have broken. On a GPU machine
+the same matrix runs compiled, and the `gpu` tests add realistic sizes in bf16 and fp16.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when the kernel module is
+# imported (by the fixtures below, after collection). Without CUDA the interpreter is the only
+# way to run it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import dataclasses  # noqa: E402
+import importlib  # noqa: E402
+import itertools  # noqa: E402
+import math  # noqa: E402
+import subprocess  # noqa: E402
+import types  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from reference import assert_close_to_reference, attention_reference  # noqa: E402
+
+SOURCE_PACKAGE = Path(__file__).resolve().parents[1] / "torch-ext" / "flash_attn"
+# The interpreter converts 1-element arrays to loop bounds with a call NumPy deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array:DeprecationWarning")
+
+
+def _source_package():
+    """The package straight from the source tree (runs without the `flash_attn` fixture): a bare
+    package object whose path is the source folder, so `__init__` (which needs `_ops`) never
+    runs and relative imports still work."""
+    name = "flash_attn_source"
+    if name not in sys.modules:
+        package = types.ModuleType(name)
+        package.__path__ = [str(SOURCE_PACKAGE)]
+        sys.modules[name] = package
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def package(request):
+    try:
+        return request.getfixturevalue("flash_attn")
+    except pytest.FixtureLookupError:
+        return _source_package()
+
+
+@pytest.fixture(scope="module")
+def bwd(package):
+    return importlib.import_module(package.__name__ + "._triton_bwd")
+
+
+@pytest.fixture(scope="module")
+def attn_params(package):
+    return importlib.import_module(package.__name__ + "._params").AttnParams
+
+
+@pytest.fixture(scope="module")
+def device(bwd):
+    """CPU under the interpreter, else CUDA; skip when neither can run the kernels."""
+    from triton.runtime.interpreter import InterpretedFunction
+    if isinstance(bwd._bwd_dq_kernel, InterpretedFunction):
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    pytest.skip("the Triton kernels were compiled for a GPU but there is no CUDA device: set "
+                "TRITON_INTERPRET=1 before the package is imported")
+
+
+# ---------------------------------------------------------------------------------------------
+# One case: inputs, the reference forward (out, lse) and gradients, a call of the kernels.
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    heads: tuple = (4, 4)  # (Hq, Hkv)
+    sizes: tuple = (37, 53)  # (Sq, Sk); varlen: the first sequence, others added (seqlens)
+    head_dim: int = 32
+    batch: int = 2  # batched layouts only; varlen always packs the five seqlens() entries
+    causal: bool = False
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+    softmax_scale: float | None = None
+    alibi: str = "none"  # none | head: (Hq,) | batch: (B, Hq)
+    sink: bool = False
+    dropout_p: float = 0.0
+    seed: int = 0
+    layout: str = "contiguous"  # contiguous | transposed | varlen | varlen_transposed
+    dout: str = "contiguous"  # contiguous | strided (a slice of a wider tensor)
+    tiles: tuple | None = None  # BwdTiles fields; None: the module's table
+
+    @property
+    def varlen(self):
+        return self.layout.startswith("varlen")
+
+    def seqlens(self):
+        """(Sq, Sk) per sequence; varlen mixes in empty and length-1 sequences."""
+        if not self.varlen:
+            return [self.sizes] * self.batch
+        sq, sk = self.sizes
+        return [(sq, sk), (0, 5), (1, 1), (6, 0), (sk % 37 + 2, sq % 29 + 1)]
+
+
+def _rows(lead, total, heads, dim, dtype, device, transposed):
+    """Random (*lead, total, heads, dim); transposed: a view of (*lead, heads, total, dim)."""
+    if transposed:
+        return torch.randn(*lead, heads, total, dim, dtype=dtype, device=device).transpose(-3, -2)
+    return torch.randn(*lead, total, heads, dim, dtype=dtype, device=device)
+
+
+def make_inputs(case: Case, dtype, device):
+    hq, hkv = case.heads
+    d = case.head_dim
+    seqlens = case.seqlens()
+    batch = len(seqlens)
+    transposed = case.layout.endswith("transposed")
+    if case.varlen:
+        lead, tq, tk = (), sum(s for s, _ in seqlens), sum(s for _, s in seqlens)
+        cu_q = torch.tensor([0, *itertools.accumulate(s for s, _ in seqlens)], dtype=torch.int32,
+                            device=device)
+        cu_k = torch.tensor([0, *itertools.accumulate(s for _, s in seqlens)], dtype=torch.int32,
+                            device=device)
+    else:
+        lead, (tq, tk) = (batch,), seqlens[0]
+        cu_q = cu_k = None
+    q = _rows(lead, tq, hq, d, dtype, device, transposed)
+    if transposed:  # K and V as slices of one packed tensor: every stride but the last differs
+        kv = torch.randn(*lead, hkv, tk, 2, d + 8, dtype=dtype, device=device)
+        k, v = kv[..., 0, 8:].transpose(-3, -2), kv[..., 1, :d].transpose(-3, -2)
+    else:
+        k = _rows(lead, tk, hkv, d, dtype, device, False)
+        v = _rows(lead, tk, hkv, d, dtype, device, False)
+    if case.dout == "strided":
+        dout = torch.randn(*lead, tq, hq, 2 * d, dtype=dtype, device=device)[..., d:]
+    else:
+        dout = torch.randn(*lead, tq, hq, d, dtype=dtype, device=device)
+    slopes = {"none": None,
+              "head": torch.rand(hq, device=device) * 0.3,
+              "batch": torch.rand(batch, hq, device=device) * 0.3}[case.alibi]
+    s_aux = torch.randn(hq, device=device) if case.sink else None
+    return dict(q=q, k=k, v=v, dout=dout, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, s_aux=s_aux,
+                alibi_slopes=slopes, max_seqlen_q=max(s for s, _ in seqlens),
+                max_seqlen_k=max(s for _, s in seqlens))
+
+
+def make_params(attn_params, case: Case, inputs):
+    left, right = case.window
+    scale = case.head_dim ** -0.5 if case.softmax_scale is None else case.softmax_scale
+    return attn_params(softmax_scale=scale, causal=case.causal, window_left=left,
+                       window_right=0 if case.causal else right, softcap=case.softcap,
+                       dropout_p=case.dropout_p, seed=case.seed, deterministic=True,
+                       max_seqlen_q=inputs["max_seqlen_q"], max_seqlen_k=inputs["max_seqlen_k"])
+
+
+def reference_run(inputs, params, dtype):
+    """Reference out, lse and gradients of (q, k, v[, s_aux]) computed in ``dtype``."""
+    leaves = [inputs[n].detach().requires_grad_(True) for n in ("q", "k", "v")]
+    sink = inputs["s_aux"]
+    if sink is not None:
+        sink = sink.detach().requires_grad_(True)
+        leaves.append(sink)
+    out, lse = attention_reference(
+        *leaves[:3], softmax_scale=params.softmax_scale, causal=params.causal,
+        window_size=(params.window_left, params.window_right), softcap=params.softcap,
+        alibi_slopes=inputs["alibi_slopes"], s_aux=sink, dropout_p=params.dropout_p,
+        seed=params.seed, cu_seqlens_q=inputs["cu_seqlens_q"],
+        cu_seqlens_k=inputs["cu_seqlens_k"], dtype=dtype)
+    grads = torch.autograd.grad(out, leaves, inputs["dout"].to(dtype), allow_unused=True)
+    names = ("dq", "dk", "dv", "ds_aux")
+    result = {name: g for name, g in zip(names, grads)}
+    return out.detach(), lse.detach(), result
+
+
+def nan_like(x, dtype=None):
+    return torch.full(x.shape, math.nan, dtype=x.dtype if dtype is None else dtype,
+                      device=x.device)
+
+
+def run_backward(bwd, inputs, params, out, lse, tiles=None):
+    """The kernels into NaN-poisoned destinations; returns dq, dk, dv (and ds_aux)."""
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    grads = dict(dq=nan_like(q), dk=nan_like(k), dv=nan_like(v))
+    if inputs["s_aux"] is not None:
+        grads["ds_aux"] = nan_like(inputs["s_aux"], torch.float32)
+    bwd.backward(inputs["dout"], q, k, v, out, lse, grads["dq"], grads["dk"], grads["dv"],
+                 grads.get("ds_aux"), cu_seqlens_q=inputs["cu_seqlens_q"],
+                 cu_seqlens_k=inputs["cu_seqlens_k"], s_aux=inputs["s_aux"],
+                 alibi_slopes=inputs["alibi_slopes"], params=params,
+                 tiles=None if tiles is None else bwd.BwdTiles(*tiles))
+    return grads
+
+
+def check_case(bwd, attn_params, device, case: Case, dtype=torch.float16, seed=0):
+    torch.manual_seed(seed)
+    inputs = make_inputs(case, dtype, device)
+    params = make_params(attn_params, case, inputs)
+    out64, lse64, ref64 = reference_run(inputs, params, torch.float64)
+    _, _, lowp = reference_run(inputs, params, dtype)
+    # The backward's forward inputs as a forward kernel would hand them over.
+    out, lse = out64.to(dtype).contiguous(), lse64.to(torch.float32).contiguous()
+    ours = run_backward(bwd, inputs, params, out, lse, case.tiles)
+    for name, value in ours.items():
+        assert value.dtype == (torch.float32 if name == "ds_aux" else dtype), name
+        assert_close_to_reference(name, value, ref64[name], lowp[name])
+    return inputs, params, out, lse, ours
+
+
+# ---------------------------------------------------------------------------------------------
+# The feature matrix (interpreter-sized). GQA ratios 2 and 4 and MQA appear in most rows.
+# ---------------------------------------------------------------------------------------------
+
+MHA, GQA2, GQA4, MQA = (4, 4), (4, 2), (8, 2), (4, 1)
+LARGE = (32, 64, 4, 2, 64, 32, 4, 2)  # fewer interpreted steps for the ~130-long cases
+CASES = {
+    "mha_full": Case(heads=MHA),
+    "gqa2_causal_square": Case(heads=GQA2, sizes=(65, 65), causal=True),
+    "gqa4_causal_sq_lt_sk": Case(heads=GQA4, sizes=(47, 113), causal=True, batch=1),
+    "mqa_causal_sq_gt_sk": Case(heads=MQA, sizes=(113, 47), causal=True, batch=1),
+    "group3_full": Case(heads=(3, 1), sizes=(29, 41)),
+    "decode_sq1_gqa4": Case(heads=GQA4, sizes=(1, 77), causal=True),
+    "sq1_sk2_mqa": Case(heads=MQA, sizes=(1, 2), batch=3),
+    "window_gqa2": Case(heads=GQA2, sizes=(70, 90), window=(17, 4), batch=1),
+    "window_wide_gqa4": Case(heads=GQA4, sizes=(100, 110), window=(45, 38), batch=1),
+    "window_left_only_mha": Case(heads=MHA, sizes=(53, 40), window=(9, -1), batch=1),
+    "window_right_only_gqa4": Case(heads=GQA4, sizes=(40, 53), window=(-1, 5), batch=1),
+    "causal_window_mqa": Case(heads=MQA, sizes=(90, 90), causal=True, window=(23, -1),
+                              batch=1),
+    "softcap_gqa4_causal": Case(heads=GQA4, sizes=(33, 47), causal=True, softcap=4.0,
+                                softmax_scale=0.5, batch=1),
+    "softcap_mha": Case(heads=MHA, softcap=30.0),
+    "alibi_head_gqa2": Case(heads=GQA2, alibi="head"),
+    "alibi_batch_causal_mqa": Case(heads=MQA, alibi="batch", causal=True, sizes=(53, 37)),
+    "sink_gqa4_causal": Case(heads=GQA4, sink=True, causal=True, batch=1),
+    "sink_window_empty_rows": Case(heads=GQA2, sink=True, window=(3, 0), sizes=(53, 37),
+                                   batch=1),
+    "dropout_mha": Case(heads=MHA, dropout_p=0.17, seed=1),
+    "dropout_gqa4_causal_seed64": Case(heads=GQA4, dropout_p=0.5, seed=(7 << 32) + 12345,
+                                       causal=True, batch=1),
+    "varlen_gqa2_causal": Case(heads=GQA2, sizes=(33, 40), layout="varlen", causal=True),
+    "varlen_mqa_sink": Case(heads=MQA, sizes=(40, 33), layout="varlen", sink=True),
+    "varlen_transposed_window_gqa4": Case(heads=GQA4, sizes=(45, 45), window=(8, 8),
+                                          layout="varlen_transposed"),
+    "varlen_alibi_batch_dropout": Case(heads=GQA2, sizes=(30, 50), layout="varlen",
+                                       alibi="batch", dropout_p=0.3, seed=5, causal=True),
+    "transposed_gqa4_strided_dout": Case(heads=GQA4, layout="transposed", dout="strided",
+                                         causal=True, batch=1),
+    "strided_dout_mha": Case(heads=MHA, dout="strided", window=(12, 12)),
+    "odd_129x130_large_tiles": Case(heads=GQA2, sizes=(129, 130), head_dim=16, batch=1,
+                                    causal=True, tiles=LARGE),
+    "odd_130x17_full": Case(heads=MQA, sizes=(130, 17), head_dim=16, batch=1, tiles=LARGE),
+    "d8_causal": Case(heads=GQA2, sizes=(20, 20), head_dim=8, causal=True),
+    "d40_transposed_window": Case(heads=GQA2, head_dim=40, layout="transposed", window=(6, 2)),
+    "d80_gqa2": Case(heads=(2, 1), sizes=(17, 33), head_dim=80, batch=1),
+    "d128_causal_mqa": Case(heads=(2, 1), sizes=(33, 33), head_dim=128, batch=1, causal=True),
+    "d256_sink": Case(heads=(2, 1), sizes=(17, 20), head_dim=256, batch=1, sink=True),
+    "everything_varlen": Case(heads=(6, 2), sizes=(41, 47), layout="varlen_transposed",
+                              causal=True, window=(19, -1), softcap=5.0, alibi="head",
+                              sink=True, dropout_p=0.25, seed=99, dout="strided"),
+}
+# Dropout is in the CI subset through test_bitwise_deterministic (GQA, causal, sink, dropout).
+CI_CASES = {"gqa4_causal_sq_lt_sk", "mqa_causal_sq_gt_sk", "varlen_mqa_sink", "decode_sq1_gqa4"}
+
+
+def _marked(names):
+    return [pytest.param(name, marks=pytest.mark.kernels_ci) if name in CI_CASES else name
+            for name in names]
+
+
+@pytest.mark.parametrize("name", _marked(CASES))
+def test_gradients_match_reference(bwd, attn_params, device, name):
+    check_case(bwd, attn_params, device, CASES[name])
+
+
+@pytest.mark.kernels_ci
+def test_bitwise_deterministic(bwd, attn_params, device):
+    """Two runs give bitwise equal gradients: every element has one writer, no atomics."""
+    case = Case(heads=GQA4, sizes=(33, 47), causal=True, sink=True, dropout_p=0.2, seed=3,
+                batch=1)
+    inputs, params, out, lse, first = check_case(bwd, attn_params, device, case)
+    second = run_backward(bwd, inputs, params, out, lse)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+def test_keys_nobody_sees_get_zero_gradients(bwd, attn_params, device):
+    """A causal Sq < Sk band leaves keys past the last diagonal unseen: exact zeros, no NaN;
+    rows with lse = -inf (Sq > Sk) contribute nothing."""
+    torch.manual_seed(0)
+    case = Case(heads=GQA2, sizes=(5, 70), window=(3, 0), batch=1)
+    inputs = make_inputs(case, torch.float16, device)
+    params = make_params(attn_params, case, inputs)
+    out64, lse64, _ = reference_run(inputs, params, torch.float64)
+    grads = run_backward(bwd, inputs, params, out64.half(), lse64.float())
+    seen = slice(70 - 5 - 3, 70)
+    assert torch.count_nonzero(grads["dk"][:, :seen.start]) == 0
+    assert torch.count_nonzero(grads["dv"][:, :seen.start]) == 0
+    assert torch.isfinite(grads["dk"]).all() and torch.isfinite(grads["dq"]).all()
+
+
+def test_tile_table_is_complete_and_valid(bwd):
+    """Every (arch, BLOCK_D) the launcher can ask for has an entry the kernels can compile."""
+    archs = {arch for arch, _ in bwd.TILES}
+    for arch, block_d in itertools.product(archs, (16, 32, 64, 128, 256)):
+        tiles = bwd.TILES[(arch, block_d)]
+        for size in (tiles.dkdv_block_m, tiles.dkdv_block_n, tiles.dq_block_m,
+                     tiles.dq_block_n):
+            assert size >= 16 and size & (size - 1) == 0, (arch, block_d, tiles)
+        assert tiles.reason, (arch, block_d)
+    assert {bwd.block_d_for(d) for d in range(8, 257, 8)} == {16, 32, 64, 128, 256}
+
+
+def test_import_does_not_touch_cuda():
+    """Importing the module defines kernels only: no CUDA initialisation, no compilation."""
+    code = ("import sys, types, torch; p = types.ModuleType('fa'); p.__path__ = [sys.argv[1]]; "
+            "sys.modules['fa'] = p; import fa._triton_bwd; "
+            "assert not torch.cuda.is_initialized(), 'CUDA initialised at import'")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code, str(SOURCE_PACKAGE)], check=True, env=env,
+                   timeout=120)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: realistic sizes, both dtypes, compiled with the shipped tile table.
+# ---------------------------------------------------------------------------------------------
+
+GPU_CASES = {
+    "gqa_32_8_causal": Case(heads=(32, 8), sizes=(1024, 1024), head_dim=128, causal=True),
+    "gqa_32_8_full_d64": Case(heads=(32, 8), sizes=(777, 1025), head_dim=64),
+    "mqa_16_1_causal_decode_band": Case(heads=(16, 1), sizes=(300, 1500), head_dim=128,
+                                        causal=True),
+    "mha_d256_window": Case(heads=(8, 8), sizes=(1000, 1000), head_dim=256, window=(255, 255)),
+    "varlen_gqa_32_8_causal": Case(heads=(32, 8), sizes=(1500, 1500), head_dim=128,
+                                   layout="varlen_transposed", causal=True),
+    "gqa_softcap_sink_dropout": Case(heads=(16, 4), sizes=(513, 513), head_dim=96,
+                                     causal=True, softcap=30.0, sink=True, dropout_p=0.1,
+                                     seed=42, alibi="head"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_gpu_realistic(bwd, attn_params, name, dtype):
+    inputs, params, out, lse, first = check_case(bwd, attn_params, torch.device("cuda"),
+                                                 GPU_CASES[name], dtype=dtype)
+    second = run_backward(bwd, inputs, params, out, lse)
+    for key in first:
+        assert torch.equal(first[key], second[key]), f"{key} not bitwise reproducible"
+
+
+@pytest.mark.gpu
+def test_gpu_no_query_head_sized_buffers(bwd, attn_params):
+    """GQA 32/8 backward allocates only the fp32 DELTA (lse-sized): no (.., Hq, D) dK/dV."""
+    case = Case(heads=(32, 8), sizes=(2048, 2048), head_dim=128, causal=True, batch=2)
+    torch.manual_seed(0)
+    inputs = make_inputs(case, torch.bfloat16, torch.device("cuda"))
+    params = make_params(attn_params, case, inputs)
+    q = inputs["q"]
+    out = torch.randn_like(q).contiguous()
+    lse = torch.randn(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+    run_backward(bwd, inputs, params, out, lse)  # compile outside the measurement
+    grads = dict(dq=torch.empty_like(q, memory_format=torch.contiguous_format),
+                 dk=torch.empty_like(inputs["k"], memory_format=torch.contiguous_format),
+                 dv=torch.empty_like(inputs["v"], memory_format=torch.contiguous_format))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    bwd.backward(inputs["dout"], q, inputs["k"], inputs["v"], out, lse, grads["dq"],
+                 grads["dk"], grads["dv"], None, cu_seqlens_q=None, cu_seqlens_k=None,
+                 s_aux=None, alibi_slopes=None, params=params)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    assert extra <= 2 * lse.numel() * 4 + (1 << 20), f"backward allocated {extra} bytes"
