@@ -1,7 +1,7 @@
 """GPU ONLY: measure candidate tile configs of the Triton backward kernels, write the tuning file.
 
-    python benchmarks/tune_triton_bwd.py                    # all head-dim buckets, writes
-                                                            # torch-ext/flash_attn/triton_bwd_configs.json
+    python benchmarks/tune_triton_bwd.py        # all head-dim buckets, writes
+                                                # torch-ext/flash_attn/triton_bwd_configs.json
     python benchmarks/tune_triton_bwd.py --head-dims 128 --quick --out /tmp/t.json
 
 The dK/dV and dQ kernels are separate launches, so the search is coordinate-wise: with the dQ
@@ -41,9 +41,9 @@ from reference import attention_reference, relative_error  # noqa: E402
 HEADS = {64: (32, 32), 128: (32, 8), 256: (8, 8)}
 # Per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates.
 DKDV = {
-    64: dict(block_m=(32, 64), block_n=(64, 128), warps=(4, 8), stages=(2, 3)),
-    128: dict(block_m=(32, 64), block_n=(64, 128), warps=(4, 8), stages=(2, 3)),
-    256: dict(block_m=(16, 32), block_n=(32, 64), warps=(4, 8), stages=(1, 2)),
+    64: dict(block_m=(16, 32, 64), block_n=(64, 128), warps=(4, 8), stages=(2, 3)),
+    128: dict(block_m=(16, 32, 64), block_n=(64, 128), warps=(8,), stages=(2, 3)),
+    256: dict(block_m=(16, 32), block_n=(32, 64), warps=(8,), stages=(1, 2)),
 }
 DQ = {
     64: dict(block_m=(64, 128), block_n=(32, 64), warps=(4, 8), stages=(2, 3)),

@@ -493,24 +493,40 @@ class BwdTiles:
 
 
 _T = BwdTiles
+# Not yet timed on a GPU (run benchmarks/tune_triton_bwd.py there). Each choice is the largest
+# candidate that ptxas (triton 3.6, bf16, GQA causal flags) compiles with no or the fewest
+# register spills; "regs/spill" are per thread. The dK/dV kernel is register-bound: its two
+# BLOCK_N x BLOCK_D fp32 accumulators plus the (BLOCK_N, BLOCK_M) P, dP, dS tiles already reach
+# 255 registers at 8 warps, so it steps over queries 16 rows at a time; every 4-warp variant
+# spilled. The dQ kernel keeps one accumulator and owns 64-128 query rows.
 TILES = {
-    # Defaults before measurement (FA2-style). A dK/dV program holds 2 x BLOCK_N x BLOCK_D fp32
-    # accumulators: 128 keys at D<=64 cost 64 registers/thread at 8 warps, at D=128 128, so
-    # D=256 halves BLOCK_N. The dQ program holds one BLOCK_M x BLOCK_D accumulator plus Q and
-    # dO tiles, so it can own twice the rows. Inner steps of 32-64 keep the dots MMA-sized.
-    ("sm90", 16): _T(64, 128, 8, 3, 128, 64, 8, 3, "default: small D, as D=64"),
-    ("sm90", 32): _T(64, 128, 8, 3, 128, 64, 8, 3, "default: small D, as D=64"),
-    ("sm90", 64): _T(64, 128, 8, 3, 128, 64, 8, 3, "default: 2x128x64 fp32 acc, 64 regs/th"),
-    ("sm90", 128): _T(64, 128, 8, 2, 128, 64, 8, 2, "default: 2x128x128 fp32 acc, 128 regs/th"),
-    ("sm90", 256): _T(32, 64, 8, 2, 64, 32, 8, 2, "default: D=256 register-bound, half tiles"),
-    ("sm80", 16): _T(64, 128, 8, 3, 128, 64, 8, 3, "default: Ampere, as sm90"),
-    ("sm80", 32): _T(64, 128, 8, 3, 128, 64, 8, 3, "default: Ampere, as sm90"),
-    ("sm80", 64): _T(64, 128, 8, 3, 128, 64, 8, 3, "default: Ampere, as sm90"),
-    ("sm80", 128): _T(32, 128, 8, 2, 128, 32, 8, 2, "default: Ampere 164 KB smem, thin steps"),
-    ("sm80", 256): _T(32, 64, 8, 1, 64, 32, 8, 1, "default: Ampere, D=256 register-bound"),
+    ("sm90", 16): _T(16, 128, 8, 2, 128, 64, 8, 2, "ptxas sm_90a as D=64"),
+    ("sm90", 32): _T(16, 128, 8, 2, 128, 64, 8, 2, "ptxas sm_90a as D=64"),
+    ("sm90", 64): _T(16, 128, 8, 2, 128, 64, 8, 2,
+                     "ptxas sm_90a: dkdv 245 regs/0 spill (32x128: 64 B spill, 64x128: 876 B); "
+                     "dq 184 regs/0 spill"),
+    ("sm90", 128): _T(16, 64, 8, 2, 128, 32, 8, 2,
+                      "ptxas sm_90a: dkdv 12 B spill, the least of 24 candidates (16x128: 68 B, "
+                      "64x128: 2236 B); dq 193 regs/0 spill (128x64: 32 B spill)"),
+    ("sm90", 256): _T(16, 64, 8, 2, 128, 32, 8, 2,
+                      "ptxas sm_90a: dkdv 280 B spill, the least of 22 candidates; dq 240 "
+                      "regs/0 spill, 192 KB smem"),
+    ("sm80", 16): _T(16, 128, 8, 2, 128, 32, 8, 2, "ptxas sm_80 as D=64"),
+    ("sm80", 32): _T(16, 128, 8, 2, 128, 32, 8, 2, "ptxas sm_80 as D=64"),
+    ("sm80", 64): _T(16, 128, 8, 2, 128, 32, 8, 2,
+                     "ptxas sm_80: dkdv 12 B spill (32x128: 156 B); dq 230 regs/0 spill "
+                     "(128x64: 56 B spill)"),
+    ("sm80", 128): _T(16, 64, 8, 2, 64, 32, 8, 2,
+                      "ptxas sm_80: dkdv 235 regs/0 spill; dq 176 regs/0 spill (128x32: 40 B)"),
+    ("sm80", 256): _T(16, 64, 8, 1, 64, 16, 8, 2,
+                      "ptxas sm_80: dkdv 255 regs/0 spill at 1 stage (90 KB smem); dq 223 "
+                      "regs/0 spill, 86 KB smem (Ampere's 164 KB limit)"),
 }
 for _d in (16, 32, 64, 128, 256):
-    TILES[("generic", _d)] = _T(32, 64, 4, 2, 64, 32, 4, 2, "default: unknown arch, small")
+    # Other archs (consumer parts have ~100 KB of shared memory): sm80's shapes, smaller at 256.
+    TILES[("generic", _d)] = (_T(16, 32, 4, 1, 32, 16, 4, 1, "untimed: unknown arch, D=256")
+                              if _d == 256 else _T(16, 64, 8, 2, 64, 32, 8, 2,
+                                                   "untimed: unknown arch, sm80-like"))
     # Interpreter: small, unequal steps so small test shapes cross several blocks both ways.
     TILES[("interpreter", _d)] = _T(16, 32, 1, 1, 32, 16, 1, 1, "interpreter: tests cross blocks")
 del _d, _T
