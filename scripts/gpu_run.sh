@@ -3,7 +3,11 @@
 # tests, benchmark against the peers, publish to an embedded Hub and load it
 # back, and train. Phases run in the order given (default: all but train):
 #
-#   bash scripts/gpu_run.sh [setup] [build] [test] [bench] [hub] [train] [sanitize]
+#   bash scripts/gpu_run.sh [setup] [build] [cudafwd] [sanitize] [test] [tune] [bench] [hub] [train]
+#
+# build leaves the CUDA variant in build/, and the test phases load it from there
+# (FLASH_ATTN_HUB_TEST_REPO) instead of building once per test process. A tree copied without
+# .git names its commit in the file .git_sha (written by whoever copies it).
 #
 # Logs and results go to $OUT (default: ./gpu-out). Python packages the GPU
 # image lacks are installed from wheels in .whl/ (see README "GPU runs").
@@ -14,6 +18,11 @@ mkdir -p "$OUT"
 phases=("$@")
 [[ ${#phases[@]} -eq 0 ]] && phases=(setup build test bench hub)
 export PYTHONUNBUFFERED=1
+export FLASH_ATTN_HUB_TEST_REPO=$PWD
+if [[ -z ${FLASH_ATTN_HUB_GIT_SHA:-} && -f .git_sha ]]; then
+  FLASH_ATTN_HUB_GIT_SHA=$(cat .git_sha)
+  export FLASH_ATTN_HUB_GIT_SHA
+fi
 status=0
 
 log() { echo "[gpu_run $(date +%H:%M:%S)] $*"; }
@@ -49,10 +58,34 @@ for phase in "${phases[@]}"; do
       variant=$(tail -n 1 "$OUT/build.log")  # build prints the variant path last
       [[ -n $variant ]] && run_phase check python3 -m flash_attn_hub check "$variant"
       ;;
+    cudafwd)
+      # The sm90 forward called directly, every feature against the float64 reference.
+      run_phase cudafwd timeout "${CUDAFWD_TIMEOUT:-300}" python3 -m pytest -q -rfE \
+        -p no:cacheprovider tests/test_cuda_fwd.py
+      ;;
+    sanitize)
+      for tool in memcheck racecheck synccheck; do
+        run_phase "sanitize-$tool" timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer \
+          --tool "$tool" --error-exitcode 1 python3 -m pytest -m "gpu and sanitize" -q \
+          -p no:cacheprovider tests
+      done
+      ;;
     test)
-      # TEST_ARGS narrows the run, e.g. "tests/test_gpu.py -k gqa".
+      # TEST_ARGS narrows the run, e.g. "tests/test_gpu.py -k gqa". Triton compiles on the
+      # CPU, so the tests run in TEST_WORKERS processes sharing the GPU.
       # shellcheck disable=SC2086
-      run_phase test timeout "${TEST_TIMEOUT:-1200}" python3 -m pytest -m gpu -q -rfE ${TEST_ARGS:-tests}
+      run_phase test timeout "${TEST_TIMEOUT:-1200}" python3 -m pytest -m gpu -q -rfE \
+        -p no:cacheprovider -n "${TEST_WORKERS:-12}" ${TEST_ARGS:-tests}
+      ;;
+    tune)
+      # TUNE_ARGS e.g. "--head-dims 128 --quick"; the tuned tables land in $OUT/tune.
+      mkdir -p "$OUT/tune"
+      # shellcheck disable=SC2086
+      run_phase tune-fwd timeout "${TUNE_TIMEOUT:-300}" python3 benchmarks/tune_triton_fwd.py \
+        ${TUNE_ARGS:---quick} --out "$OUT/tune/triton_fwd.json"
+      # shellcheck disable=SC2086
+      run_phase tune-bwd timeout "${TUNE_TIMEOUT:-300}" python3 benchmarks/tune_triton_bwd.py \
+        ${TUNE_ARGS:---quick} --out "$OUT/tune/triton_bwd.json"
       ;;
     bench)
       # BENCH_ARGS narrows the run, e.g. "--grid standard --seqlens 4k,16k --head-dims 128".
@@ -66,15 +99,12 @@ for phase in "${phases[@]}"; do
     train)
       run_phase train python3 benchmarks/train_trl.py --out "$OUT/train"
       ;;
-    sanitize)
-      run_phase sanitize compute-sanitizer --tool memcheck python3 -m pytest -m "gpu and sanitize" -q tests
-      ;;
     *)
       log "unknown phase $phase"; status=1 ;;
   esac
 done
 # Results come back as few files: one archive per result folder.
-for dir in bench train; do
+for dir in bench train tune; do
   if [[ -d $OUT/$dir ]]; then
     tar czf "$OUT/$dir.tgz" -C "$OUT" "$dir" && rm -rf "${OUT:?}/$dir"
   fi

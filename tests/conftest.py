@@ -28,8 +28,15 @@ def pytest_collection_modifyitems(config, items):
 def flash_attn(tmp_path_factory):
     """The kernel module, built for this machine into a temporary repository and imported the
     way users import it (``kernels.get_local_kernel``): its ``__name__`` is the build's ops
-    namespace, and its backends are ``importlib.import_module(f"{mod.__name__}._cpu")`` etc."""
+    namespace, and its backends are ``importlib.import_module(f"{mod.__name__}._cpu")`` etc.
+    ``FLASH_ATTN_HUB_TEST_REPO=<repo root>`` loads an existing ``<root>/build`` instead."""
     import kernels
+
+    prebuilt = os.environ.get("FLASH_ATTN_HUB_TEST_REPO")
+    if prebuilt:
+        # A repository whose build/ already holds this machine's variant (GPU runs build the
+        # CUDA variant once instead of once per test process).
+        return kernels.get_local_kernel(prebuilt)
     from flash_attn_hub.build import build_variant
 
     root = tmp_path_factory.mktemp("flash_attn_repo")
