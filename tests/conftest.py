@@ -8,6 +8,7 @@ instead of passing on stale memory. Tests marked ``gpu`` are skipped without CUD
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ def flash_attn(tmp_path_factory):
     if prebuilt:
         # A repository whose build/ already holds this machine's variant (GPU runs build the
         # CUDA variant once instead of once per test process).
-        return kernels.get_local_kernel(prebuilt)
+        return kernels.get_local_kernel(Path(prebuilt))
     from flash_attn_hub.build import build_variant
 
     root = tmp_path_factory.mktemp("flash_attn_repo")
