@@ -493,40 +493,30 @@ class BwdTiles:
 
 
 _T = BwdTiles
-# Not yet timed on a GPU (run benchmarks/tune_triton_bwd.py there). Each choice is the largest
-# candidate that ptxas (triton 3.6, bf16, GQA causal flags) compiles with no or the fewest
-# register spills; "regs/spill" are per thread. The dK/dV kernel is register-bound: its two
-# BLOCK_N x BLOCK_D fp32 accumulators plus the (BLOCK_N, BLOCK_M) P, dP, dS tiles already reach
-# 255 registers at 8 warps, so it steps over queries 16 rows at a time; every 4-warp variant
-# spilled. The dQ kernel keeps one accumulator and owns 64-128 query rows.
+# sm90 D=128 is the configuration timed on an H200 (2026-12-02, bf16, 16k tokens): about 350
+# TFLOP/s backward, 1.15-1.2x SDPA flash. Query steps of 16 rows, which ptxas prefers (fewer
+# spilled registers), measured 3x slower (102-124 TFLOP/s): the dK/dV dots then have K=16 and
+# the loop runs 4x more iterations, which costs far more than the few spilled registers of
+# 64-row steps. Other entries follow the same shapes, scaled by the register budget (a dK/dV
+# program holds two BLOCK_N x BLOCK_D fp32 accumulators; D=256 halves the tiles), untimed.
 TILES = {
-    ("sm90", 16): _T(16, 128, 8, 2, 128, 64, 8, 2, "ptxas sm_90a as D=64"),
-    ("sm90", 32): _T(16, 128, 8, 2, 128, 64, 8, 2, "ptxas sm_90a as D=64"),
-    ("sm90", 64): _T(16, 128, 8, 2, 128, 64, 8, 2,
-                     "ptxas sm_90a: dkdv 245 regs/0 spill (32x128: 64 B spill, 64x128: 876 B); "
-                     "dq 184 regs/0 spill"),
-    ("sm90", 128): _T(16, 64, 8, 2, 128, 32, 8, 2,
-                      "ptxas sm_90a: dkdv 12 B spill, the least of 24 candidates (16x128: 68 B, "
-                      "64x128: 2236 B); dq 193 regs/0 spill (128x64: 32 B spill)"),
-    ("sm90", 256): _T(16, 64, 8, 2, 128, 32, 8, 2,
-                      "ptxas sm_90a: dkdv 280 B spill, the least of 22 candidates; dq 240 "
-                      "regs/0 spill, 192 KB smem"),
-    ("sm80", 16): _T(16, 128, 8, 2, 128, 32, 8, 2, "ptxas sm_80 as D=64"),
-    ("sm80", 32): _T(16, 128, 8, 2, 128, 32, 8, 2, "ptxas sm_80 as D=64"),
-    ("sm80", 64): _T(16, 128, 8, 2, 128, 32, 8, 2,
-                     "ptxas sm_80: dkdv 12 B spill (32x128: 156 B); dq 230 regs/0 spill "
-                     "(128x64: 56 B spill)"),
-    ("sm80", 128): _T(16, 64, 8, 2, 64, 32, 8, 2,
-                      "ptxas sm_80: dkdv 235 regs/0 spill; dq 176 regs/0 spill (128x32: 40 B)"),
-    ("sm80", 256): _T(16, 64, 8, 1, 64, 16, 8, 2,
-                      "ptxas sm_80: dkdv 255 regs/0 spill at 1 stage (90 KB smem); dq 223 "
-                      "regs/0 spill, 86 KB smem (Ampere's 164 KB limit)"),
+    ("sm90", 16): _T(64, 128, 8, 3, 128, 64, 8, 3, "untimed: small D, as D=64"),
+    ("sm90", 32): _T(64, 128, 8, 3, 128, 64, 8, 3, "untimed: small D, as D=64"),
+    ("sm90", 64): _T(64, 128, 8, 3, 128, 64, 8, 3, "untimed: 2x128x64 fp32 acc, 64 regs/th"),
+    ("sm90", 128): _T(64, 128, 8, 2, 128, 64, 8, 2,
+                      "H200 bf16 16k tokens: ~350 TFLOP/s; 16-row steps 102-124"),
+    ("sm90", 256): _T(32, 64, 8, 2, 64, 32, 8, 2, "untimed: D=256 register-bound, half tiles"),
+    ("sm80", 16): _T(64, 128, 8, 3, 128, 64, 8, 3, "untimed: as sm90"),
+    ("sm80", 32): _T(64, 128, 8, 3, 128, 64, 8, 3, "untimed: as sm90"),
+    ("sm80", 64): _T(64, 128, 8, 3, 128, 64, 8, 3, "untimed: as sm90"),
+    ("sm80", 128): _T(32, 128, 8, 2, 128, 32, 8, 2, "untimed: Ampere 164 KB smem, thinner steps"),
+    ("sm80", 256): _T(32, 64, 8, 1, 64, 32, 8, 1, "untimed: Ampere, D=256 register-bound"),
 }
 for _d in (16, 32, 64, 128, 256):
     # Other archs (consumer parts have ~100 KB of shared memory): sm80's shapes, smaller at 256.
-    TILES[("generic", _d)] = (_T(16, 32, 4, 1, 32, 16, 4, 1, "untimed: unknown arch, D=256")
-                              if _d == 256 else _T(16, 64, 8, 2, 64, 32, 8, 2,
-                                                   "untimed: unknown arch, sm80-like"))
+    TILES[("generic", _d)] = (_T(32, 32, 4, 1, 32, 16, 4, 1, "untimed: unknown arch, D=256")
+                              if _d == 256 else _T(32, 64, 4, 2, 64, 32, 4, 2,
+                                                   "untimed: unknown arch, small tiles"))
     # Interpreter: small, unequal steps so small test shapes cross several blocks both ways.
     TILES[("interpreter", _d)] = _T(16, 32, 1, 1, 32, 16, 1, 1, "interpreter: tests cross blocks")
 del _d, _T
