@@ -12,7 +12,10 @@ values come from PyTorch's math SDPA in float32 (bottom-right aligned causal mas
 head index), not from the repository's test oracle. Inputs are fp16: with the runner's
 absolute tolerance, bf16 rounding alone (1/128 relative) would fail outputs above ~1.
 The project's own benchmark with peers, FLOP rates and plots is
-``python -m flash_attn_hub bench``.
+``python -m flash_attn_hub bench``; it imports the two calling conventions defined here
+(:func:`flash_attn_forward`, :func:`sdpa_forward`), because this file is the one both
+benchmarks can see: a Hub snapshot holds ``build/`` and ``benchmarks/``, not the
+repository's ``flash_attn_hub`` package.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import dataclasses
 
 import torch
 from kernels.benchmark import Benchmark
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 DTYPE = torch.float16
 
@@ -47,17 +52,41 @@ def _cpu(shape: Shape) -> Shape:
                                heads_q=4, heads_kv=max(1, 4 * shape.heads_kv // shape.heads_q), head_dim=64)
 
 
+def flash_attn_forward(module, q, k, v, *, causal: bool, window_size=(-1, -1), cu_seqlens=None,
+                       max_seqlen: int | None = None) -> torch.Tensor:
+    """One call of a flash-attn 2 style API (ours, flash-attn 2, FlashAttention-3 share it):
+    batched ``(B, S, H, D)``, or packed ``(T, H, D)`` with ``cu_seqlens`` (the same for q and
+    k) and ``max_seqlen``. Returns the output (these APIs may return a tuple starting with it)."""
+    kwargs = dict(causal=causal, window_size=window_size)
+    if cu_seqlens is not None:
+        result = module.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    else:
+        result = module.flash_attn_func(q, k, v, **kwargs)
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
+def sdpa_forward(q, k, v, *, causal: bool, attn_mask=None) -> torch.Tensor:
+    """``scaled_dot_product_attention`` on flash-attn's ``(B, S, H, D)`` layout, with
+    flash-attn's semantics: GQA through ``enable_gqa``, causal bottom-right aligned
+    (``is_causal`` for a square score matrix, ``causal_lower_right`` otherwise; a single
+    query sees every key). A dense boolean ``attn_mask`` replaces the causal mask."""
+    sq, sk = q.shape[1], k.shape[1]
+    is_causal = False
+    if attn_mask is None and causal:
+        if sq == sk:
+            is_causal = True
+        elif sq > 1:
+            attn_mask = causal_lower_right(sq, sk)
+    gqa = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, is_causal=is_causal, **gqa)
+    return out.transpose(1, 2)
+
+
 def _reference(q, k, v, causal: bool) -> torch.Tensor:
     """``(B, S, H, D)`` attention in float32 through PyTorch's math SDPA."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.bias import causal_lower_right
-    sq, sk = q.shape[1], k.shape[1]
-    mask = causal_lower_right(sq, sk) if causal and sq != sk else None
-    qt, kt, vt = (t.float().transpose(1, 2) for t in (q, k, v))
     with sdpa_kernel([SDPBackend.MATH]):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qt, kt, vt, attn_mask=mask, is_causal=causal and sq == sk, enable_gqa=q.shape[2] != k.shape[2])
-    return out.transpose(1, 2)
+        return sdpa_forward(q.float(), k.float(), v.float(), causal=causal)
 
 
 class _Attention:
@@ -88,12 +117,9 @@ class _Attention:
     def _forward(self, q, k, v):
         s = self.shape
         if s.seqlens:
-            longest = max(s.seqlens)
-            result = self.kernel.flash_attn_varlen_func(q, k, v, self.cu_seqlens, self.cu_seqlens, longest, longest,
-                                                        causal=s.causal)
-        else:
-            result = self.kernel.flash_attn_func(q, k, v, causal=s.causal)
-        return result[0] if isinstance(result, tuple) else result
+            return flash_attn_forward(self.kernel, q, k, v, causal=s.causal, cu_seqlens=self.cu_seqlens,
+                                      max_seqlen=max(s.seqlens))
+        return flash_attn_forward(self.kernel, q, k, v, causal=s.causal)
 
     def _run(self) -> None:
         if not self.shape.backward:

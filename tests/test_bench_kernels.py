@@ -1,19 +1,49 @@
 """``benchmarks/benchmark.py`` runs under the ``kernels benchmark`` runner (kernels 0.17.2),
-here on CPU with the shapes the script shrinks for a CPU."""
+here on CPU with the shapes the script shrinks for a CPU; it stays runnable from a Hub
+snapshot, and the project's harness calls the kernel through it."""
 
 from __future__ import annotations
 
+import ast
+import sys
 from pathlib import Path
 
+import torch
+
 from flash_attn_hub import REPO_ROOT
+from flash_attn_hub.bench import providers
+from flash_attn_hub.bench.workloads import Workload, make_inputs
+
+SCRIPT = REPO_ROOT / "benchmarks" / "benchmark.py"
 
 
 def test_kernels_benchmark_script_runs_and_verifies(flash_attn):
     from kernels.cli.benchmark import run_benchmark_script
     variant = Path(flash_attn.__file__).parent
-    results, _ = run_benchmark_script(REPO_ROOT / "benchmarks" / "benchmark.py", iterations=2, warmup=1,
-                                      cwd=REPO_ROOT, repo_id=str(variant), is_local=True, revision="local")
+    results, _ = run_benchmark_script(SCRIPT, iterations=2, warmup=1, cwd=REPO_ROOT, repo_id=str(variant),
+                                      is_local=True, revision="local")
     classes = {name.split(".")[0] for name in results}
     assert classes == {"FlashAttentionBenchmark", "FlashAttentionCausalBenchmark", "FlashAttentionGQABenchmark",
                        "FlashAttentionVarlenBenchmark", "FlashAttentionBackwardBenchmark"}
     assert all(timing.verified for timing in results.values())
+
+
+def test_script_imports_only_what_a_hub_snapshot_has():
+    """A Hub snapshot holds build/ and benchmarks/ only: no flash_attn_hub, no tests/."""
+    tree = ast.parse(SCRIPT.read_text())
+    roots = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names}
+    roots |= {node.module.split(".")[0] for node in ast.walk(tree)
+              if isinstance(node, ast.ImportFrom) and node.module}
+    assert roots <= {"__future__", "torch", "kernels"} | set(sys.stdlib_module_names), roots
+
+
+def test_harness_calls_the_kernel_through_the_script(monkeypatch):
+    shared = providers.hub_benchmark()
+    assert Path(shared.__file__) == SCRIPT
+    calls = []
+    monkeypatch.setattr(shared, "flash_attn_forward", lambda module, q, k, v, **kw: calls.append(kw) or q)
+    w = Workload("t", 1, 4, 4, 2, 2, 8, True)
+    x = make_inputs(w, device="cpu", dtype=torch.float32, seed=0)
+    assert providers.Ours(object(), "triton").prepare(w, x).fwd() is x.q
+    assert calls == [{"causal": True, "window_size": (-1, 0)}]

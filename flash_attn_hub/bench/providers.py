@@ -2,6 +2,10 @@
 ``kernels``) and the peers (PyTorch SDPA backends, FlexAttention, flash-attn 2 / 3 when
 importable).
 
+The calling conventions shared with the ``kernels benchmark`` script (a flash-attn 2 style
+call, SDPA with flash-attn's mask semantics) live in ``benchmarks/benchmark.py``, the file a
+Hub snapshot ships, and are imported from there (:func:`hub_benchmark`).
+
 Every provider turns a workload and one canonical input set (``workloads.Inputs``) into a
 :class:`Prepared`: a zero-argument forward closure plus the maps between its own layout
 and the canonical one (only the padded-SDPA varlen peer has a layout of its own). Layout
@@ -13,13 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
+import importlib.util
 import os
+import sys
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from .. import REPO_ROOT
 from .workloads import Inputs, Workload, visible_pairs
 
 BACKEND_ENV = "FLASH_ATTN_HUB_BACKEND"
@@ -27,11 +35,19 @@ GPU_DEFAULT = ("ours-cuda", "ours-triton", "sdpa-flash", "sdpa-cudnn", "sdpa-eff
                "flash-attn2", "fa3")
 CPU_DEFAULT = ("ours-cpu", "sdpa-math")
 KNOWN = GPU_DEFAULT + ("ours-cpu", "sdpa-math")
+HUB_BENCHMARK = REPO_ROOT / "benchmarks" / "benchmark.py"
 
 
-def _first(result):
-    """flash-attn style functions return the output or a tuple starting with it."""
-    return result[0] if isinstance(result, (tuple, list)) else result
+@functools.lru_cache(maxsize=1)
+def hub_benchmark():
+    """``benchmarks/benchmark.py`` imported from the source tree (registered in
+    ``sys.modules`` under its own name, which its dataclasses need)."""
+    name = "flash_attn_hub_bench_hub_benchmark"
+    spec = importlib.util.spec_from_file_location(name, HUB_BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def _identity(t: torch.Tensor, pad: str = "random") -> torch.Tensor:
@@ -84,14 +100,32 @@ def backend_env(value: str):
             os.environ[BACKEND_ENV] = old
 
 
-class Ours(Provider):
-    """Our package through its public flash-attn 2 API, one backend at a time."""
+class FlashApi(Provider):
+    """A package with flash-attn 2's API (ours, flash-attn 2, FlashAttention-3): native GQA,
+    bottom-right causal, windows and varlen, called through ``hub_benchmark().flash_attn_forward``."""
+    module = None
+
+    def prepare(self, w, x):
+        call = functools.partial(hub_benchmark().flash_attn_forward, self.module, x.q, x.k, x.v,
+                                 causal=w.causal, window_size=w.window_size)
+        if w.varlen:
+            call = functools.partial(call, cu_seqlens=x.cu_seqlens, max_seqlen=max(w.seqlens))
+        return Prepared([x.q, x.k, x.v], call)
+
+
+class Ours(FlashApi):
+    """Our package through its public API, one backend at a time (``FLASH_ATTN_HUB_BACKEND``).
+
+    The CUDA backend is measured only while it is validated (``_cuda.VALIDATED``: an unvalidated
+    kernel may crash the process, ending the whole benchmark), unless it was asked for by name
+    (``explicit``)."""
     is_ours = True
 
-    def __init__(self, module, backend: str, load_error: str | None = None):
+    def __init__(self, module, backend: str, load_error: str | None = None, explicit: bool = False):
         self.module = module
         self.load_error = load_error
         self.backend = backend
+        self.explicit = explicit
         self.name = f"ours-{backend}"
         self.devices = ("cpu",) if backend == "cpu" else ("cuda",)
 
@@ -100,27 +134,16 @@ class Ours(Provider):
             return f"our kernel was not loaded ({self.load_error or 'not requested'})"
         if self.backend == "cuda":
             try:
-                importlib.import_module(self.module.__name__ + "._cuda")
+                cuda = importlib.import_module(self.module.__name__ + "._cuda")
             except Exception as err:  # the build may be Triton-only
                 return f"this build has no CUDA backend ({type(err).__name__}: {err})"
+            if not getattr(cuda, "VALIDATED", False) and not self.explicit:
+                return ("the CUDA backend is not validated on a GPU yet (_cuda.VALIDATED is False); "
+                        "name ours-cuda in --providers to measure it anyway")
         return None
 
     def context(self):
         return backend_env(self.backend)
-
-    def prepare(self, w, x):
-        mod = self.module
-        q, k, v = x.q, x.k, x.v
-        kwargs = dict(dropout_p=0.0, softmax_scale=None, causal=w.causal, window_size=w.window_size)
-        if w.varlen:
-            cu, longest = x.cu_seqlens, max(w.seqlens)
-
-            def fwd():
-                return _first(mod.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, **kwargs))
-        else:
-            def fwd():
-                return _first(mod.flash_attn_func(q, k, v, **kwargs))
-        return Prepared([q, k, v], fwd)
 
 
 def _padding_maps(w: Workload, device, generator):
@@ -178,31 +201,19 @@ class Sdpa(Provider):
         return sdpa_kernel([getattr(SDPBackend, self.KINDS[self.kind])])
 
     def prepare(self, w, x):
-        from torch.nn.attention.bias import causal_lower_right
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        mask, is_causal = None, False
+        mask = None
         if w.windowed:
             from .verify import reference
             mask = reference().visible_mask(w.seqlen_q, w.seqlen_k, w.window_left, w.window_size[1],
                                             x.q.device)
-        elif w.causal and (w.varlen or w.seqlen_q == w.seqlen_k):
-            is_causal = True  # right padding: valid queries never see padded keys
-        elif w.causal and w.seqlen_q > 1:
-            mask = causal_lower_right(w.seqlen_q, w.seqlen_k)
-        # (causal with one query: bottom-right aligned, it sees every key)
-        gqa = {"enable_gqa": True} if w.gqa else {}
         to_provider, to_canonical = _identity, _identity
         q, k, v = x.q, x.k, x.v
-        if w.varlen:
+        if w.varlen:  # right padding keeps the score matrix square: valid queries never see padded keys
             gen = torch.Generator(device=x.q.device).manual_seed(7)
             to_provider, to_canonical = _padding_maps(w, x.q.device, gen)
             q, k, v = (to_provider(t).detach().requires_grad_() for t in (q, k, v))
-
-        def fwd():
-            out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                       is_causal=is_causal, **gqa)
-            return out.transpose(1, 2)
-        return Prepared([q, k, v], fwd, to_canonical, to_provider)
+        call = functools.partial(hub_benchmark().sdpa_forward, q, k, v, causal=w.causal, attn_mask=mask)
+        return Prepared([q, k, v], call, to_canonical, to_provider)
 
 
 def _configure_compile():
@@ -293,15 +304,14 @@ class Flex(Provider):
         return Prepared([q, k, v], fwd)
 
 
-class FlashAttnPackage(Provider):
-    """The flash-attn 2 (``flash_attn``) or FlashAttention-3 (``flash_attn_interface``)
-    pip packages, when installed. Native GQA, bottom-right causal, windows, varlen."""
+class FlashAttnPackage(FlashApi):
+    """The flash-attn 2 (``flash_attn``) or FlashAttention-3 (``flash_attn_interface``) pip
+    packages, when installed (and not our own package under the same name)."""
 
     def __init__(self, name: str, module_name: str, ours_module=None):
         self.name = name
         self.module_name = module_name
         self.ours_file = Path(getattr(ours_module, "__file__", "") or "/nonexistent").resolve()
-        self.module = None
 
     def unavailable(self):
         try:
@@ -313,27 +323,14 @@ class FlashAttnPackage(Provider):
         self.module = module
         return None
 
-    def prepare(self, w, x):
-        mod = self.module
-        q, k, v = x.q, x.k, x.v
-        kwargs = dict(causal=w.causal, window_size=w.window_size)
-        if w.varlen:
-            cu, longest = x.cu_seqlens, max(w.seqlens)
 
-            def fwd():
-                return _first(mod.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, **kwargs))
-        else:
-            def fwd():
-                return _first(mod.flash_attn_func(q, k, v, **kwargs))
-        return Prepared([q, k, v], fwd)
-
-
-def make_providers(names, ours_module, ours_error: str | None = None) -> list[Provider]:
-    """Providers by name, in the given order (``KNOWN`` lists them)."""
+def make_providers(names, ours_module, ours_error: str | None = None, *, explicit: bool = False) -> list[Provider]:
+    """Providers by name, in the given order (``KNOWN`` lists them); ``explicit``: the names
+    were asked for, not the defaults (see :class:`Ours`)."""
     out = []
     for name in names:
         if name.startswith("ours-") and name in KNOWN:
-            out.append(Ours(ours_module, name.removeprefix("ours-"), ours_error))
+            out.append(Ours(ours_module, name.removeprefix("ours-"), ours_error, explicit=explicit))
         elif name.startswith("sdpa-") and name.removeprefix("sdpa-") in Sdpa.KINDS:
             out.append(Sdpa(name.removeprefix("sdpa-")))
         elif name == "flex":

@@ -10,20 +10,18 @@ only if that passes, time each mode with ``triton.testing.do_bench`` (median wit
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import itertools
 import math
-import platform
-import subprocess
 import sys
 import time
 import warnings
+from typing import Callable
 
 import numpy as np
 import torch
 
-from .. import REPO_ROOT
 from . import verify as verify_mod
+from .env import environment
 from .providers import Provider
 from .workloads import DTYPES, Workload, attention_flops, make_inputs
 
@@ -113,49 +111,6 @@ def _mode_closure(mode: str, prepared: list, seed: int):
     return Rotator(fns), leaves
 
 
-def _git_sha() -> str | None:
-    try:
-        sha = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short=12", "HEAD"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _driver() -> str | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-        return out.strip().splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return None
-
-
-def environment(device: torch.device, ours_module=None) -> dict:
-    """Machine and versions, copied into every record."""
-    def version(name):
-        try:
-            return __import__(name).__version__
-        except Exception:
-            return None
-    cuda = device.type == "cuda"
-    cudnn = torch.backends.cudnn.version() if cuda else None
-    return {
-        "gpu": torch.cuda.get_device_name(device) if cuda else f"none (CPU: {platform.processor() or platform.machine()})",
-        "driver": _driver() if cuda else None,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": str(cudnn) if cudnn else None,
-        "triton": version("triton"),
-        "kernels": version("kernels"),
-        "kernel_build": getattr(ours_module, "__name__", None),
-        "git_sha": _git_sha(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
 def make_record(w: Workload, provider: str, mode: str, dtype: str, ms, peak, errors, env) -> dict:
     """One long-format record; ``ratio_to_best_peer`` is filled in by :func:`add_ratios`."""
     p20, p50, p80 = ms
@@ -164,7 +119,7 @@ def make_record(w: Workload, provider: str, mode: str, dtype: str, ms, peak, err
         "provider": provider, "workload": w.name, "grid": w.grid, "family": w.family, "mode": mode,
         "dtype": dtype, "batch": w.batch, "seqlen_q": w.seqlen_q, "seqlen_k": w.seqlen_k,
         "heads_q": w.heads_q, "heads_kv": w.heads_kv, "head_dim": w.head_dim, "causal": w.causal,
-        "window_left": w.window_left, "window_right": w.window_size[1], "varlen": w.varlen,
+        "window_left": w.window_left, "window_right": w.window_size[1], "varlen": w.varlen, "mix": w.mix,
         "num_seqs": len(w.seqlens) if w.varlen else w.batch, "total_tokens_q": w.total_tokens_q,
         "flops": flops, "ms_p20": p20, "ms_p50": p50, "ms_p80": p80,
         "tflops": flops / (p50 * 1e-3) / 1e12, "ratio_to_best_peer": None, "best_peer": None,
@@ -311,14 +266,9 @@ def run_workload(w: Workload, providers: list[Provider], modes, *, device, dtype
     return records, skips
 
 
-def run_suite(workloads, providers, modes, *, device, dtype_name="bf16", timing=None, ours_module=None,
-              progress=True) -> tuple[list[dict], list[Skip], dict]:
-    """Every workload with every provider that is available on ``device``."""
-    dtype = DTYPES[dtype_name]
-    timing = timing or Timing()
-    env = environment(device, ours_module)
-    skips: list[Skip] = []
-    usable = []
+def available(providers: list[Provider], device: torch.device) -> tuple[list[Provider], list[Skip]]:
+    """The providers that can run on ``device`` here, and a skip (printed) for each other."""
+    usable, skips = [], []
     for p in providers:
         reason = None if device.type in p.devices else f"runs on {'/'.join(p.devices)} only"
         reason = reason or p.unavailable()
@@ -327,14 +277,49 @@ def run_suite(workloads, providers, modes, *, device, dtype_name="bf16", timing=
             print(f"skip {p.name}: {reason}", flush=True)
         else:
             usable.append(p)
+    return usable, skips
+
+
+@dataclasses.dataclass
+class SuiteResult:
+    records: list[dict]
+    skips: list[Skip]
+    env: dict
+    seconds: dict[str, float]  # wall time per measured workload
+    not_run: list[str]  # workloads left out because ``keep_going`` said stop
+
+
+def run_suite(workloads, providers, modes, *, device, dtype_name="bf16", timing=None, ours_module=None,
+              progress=True, env: dict | None = None,
+              on_workload: Callable[[SuiteResult], None] | None = None,
+              keep_going: Callable[[Workload, float], bool] | None = None) -> SuiteResult:
+    """Every workload with every provider that is available on ``device``.
+
+    ``on_workload(result so far)`` runs after each workload (the CLI saves the records there,
+    so a run killed by a time limit keeps every finished workload); ``keep_going(next
+    workload, seconds elapsed)`` returning False stops before that workload."""
+    dtype = DTYPES[dtype_name]
+    timing = timing or Timing()
+    env = env or environment(device, ours_module)
+    usable, skips = available(providers, device)
+    result = SuiteResult([], skips, env, {}, [])
     bar = Progress(len(workloads) * len(usable), enabled=progress)
-    records = []
+    start = time.perf_counter()
     try:
-        for w in workloads:
+        for i, w in enumerate(workloads):
+            if keep_going is not None and not keep_going(w, time.perf_counter() - start):
+                result.not_run = [x.name for x in workloads[i:]]
+                break
+            t0 = time.perf_counter()
             got, skipped = run_workload(w, usable, modes, device=device, dtype=dtype, dtype_name=dtype_name,
                                         timing=timing, env=env, progress=bar)
-            records += got
-            skips += skipped
+            result.records += got
+            result.skips += skipped
+            result.seconds[w.name] = round(time.perf_counter() - t0, 2)
+            add_ratios(result.records)
+            if on_workload is not None:
+                on_workload(result)
     finally:
         bar.close()
-    return add_ratios(records), skips, env
+    add_ratios(result.records)
+    return result

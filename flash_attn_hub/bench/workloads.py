@@ -44,6 +44,7 @@ class Workload:
     window_left: int = -1
     window_right: int = -1
     seqlens: tuple[int, ...] | None = None  # varlen: document lengths (q and k alike)
+    mix: str = ""  # varlen: the length distribution the documents were drawn from (LENGTH_MIXES)
     modes: tuple[str, ...] = MODES
 
     @property
@@ -71,7 +72,7 @@ class Workload:
     def name(self) -> str:
         heads = f"h{self.heads_q}" if not self.gqa else f"h{self.heads_q}-{self.heads_kv}"
         if self.varlen:
-            shape = f"varlen{len(self.seqlens)}x{self.seqlen_q}max"
+            shape = f"{self.mix}{len(self.seqlens)}x{self.seqlen_q}max"
         elif self.seqlen_q == self.seqlen_k:
             shape = f"b{self.batch}-s{self.seqlen_q}"
         else:
@@ -85,7 +86,8 @@ class Workload:
     def family(self) -> str:
         """Workloads that differ only in sequence length (one line per provider in a plot)."""
         heads = f"Hq/Hkv={self.heads_q}/{self.heads_kv}"
-        return f"{self.grid} D={self.head_dim} {heads}"
+        mix = f" {self.mix}" if self.varlen and self.mix else ""
+        return f"{self.grid}{mix} D={self.head_dim} {heads}"
 
 
 def visible_pairs(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int) -> int:
@@ -119,9 +121,18 @@ def attention_flops(w: Workload, mode: str = "fwd") -> float:
     return 4.0 * w.heads_q * w.head_dim * pairs * MODE_FLOP_FACTOR[mode]
 
 
+# Document-length distributions of packed batches: lognormal ``(median, sigma, low, high)``.
+#   sft       chat / instruction SFT samples: a few hundred tokens, rarely over 2k
+#   longtail  mostly short documents and a few long ones (up to 8k) that dominate the FLOPs
+LENGTH_MIXES = {
+    "sft": (400.0, 0.8, 32, 4096),
+    "longtail": (160.0, 1.8, 8, 8192),
+}
+
+
 def packed_lengths(total: int, *, seed: int = 0, median: float = 512.0, sigma: float = 1.0,
                    low: int = 16, high: int = 8192) -> tuple[int, ...]:
-    """Document lengths of one packed SFT batch: lognormal (long tail of long documents),
+    """Document lengths of one packed batch: lognormal (long tail of long documents),
     clipped to ``[low, high]``, the last one trimmed so they add up to ``total``."""
     rng = np.random.default_rng(seed)
     lengths: list[int] = []
@@ -151,13 +162,18 @@ def _grid_gqa():
             for hkv in (8, 1) for c in (False, True) for s in (1024, 4096, 16384)]
 
 
+def _packed(mix: str, seed: int, hq: int, hkv: int, d: int) -> Workload:
+    median, sigma, low, high = LENGTH_MIXES[mix]
+    lengths = packed_lengths(TOKENS_PER_BATCH, seed=seed, median=median, sigma=sigma, low=low, high=high)
+    return Workload("varlen", len(lengths), max(lengths), max(lengths), hq, hkv, d, True, seqlens=lengths,
+                    mix=mix)
+
+
 def _grid_varlen():
-    out = []
-    for i, (hq, hkv, d) in enumerate(((16, 16, 128), (32, 8, 128), (14, 2, 64))):
-        lengths = packed_lengths(TOKENS_PER_BATCH, seed=i)
-        out.append(Workload("varlen", len(lengths), max(lengths), max(lengths), hq, hkv, d, True,
-                            seqlens=lengths))
-    return out
+    """Packed 16k-token batches, causal per document: SFT-like lengths with MHA, GQA 32/8 and
+    a 7:1 GQA at D=64; long-tailed lengths (longest documents 7k / 5k) with MHA and GQA."""
+    return [_packed("sft", 0, 16, 16, 128), _packed("sft", 1, 32, 8, 128), _packed("sft", 2, 14, 2, 64),
+            _packed("longtail", 1, 16, 16, 128), _packed("longtail", 2, 32, 8, 128)]
 
 
 def _grid_decode():
@@ -166,7 +182,9 @@ def _grid_decode():
 
 
 def _grid_window():
-    return [_square("window", s, 128, 16, True, window_left=4095, window_right=0) for s in (8192, 16384)]
+    """A 4k causal sliding window (Mistral-style), MHA and GQA 32/8."""
+    return [_square("window", s, 128, h, True, hkv=hkv, window_left=4095, window_right=0)
+            for h, hkv in ((16, 16), (32, 8)) for s in (8192, 16384)]
 
 
 def _grid_cpu():
@@ -177,7 +195,7 @@ def _grid_cpu():
         Workload("cpu", 2, 128, 128, 4, 4, 64, True),
         Workload("cpu", 2, 256, 256, 4, 4, 64, True),
         Workload("cpu", 2, 64, 192, 4, 2, 64, True),
-        Workload("cpu", 3, 113, 113, 4, 2, 64, True, seqlens=(37, 113, 90)),
+        Workload("cpu", 3, 113, 113, 4, 2, 64, True, seqlens=(37, 113, 90), mix="docs"),
     ]
 
 
@@ -191,16 +209,27 @@ GRIDS = {
     "cpu": _grid_cpu,
 }
 GPU_GRIDS = ("standard", "small", "gqa", "varlen", "decode", "window")
+ALL_GRIDS = tuple(g for g in GPU_GRIDS if g != "small")  # what "all" means: every table of a full run
 
 
-def grid_workloads(name: str, *, seqlens=None, head_dims=None, match=None) -> list[Workload]:
-    """The workloads of grid ``name`` ("all" = every GPU grid but "small"), optionally
-    restricted to the given sequence lengths (``Sk``), head dims, and names matching the
-    regular expression ``match``."""
-    names = [g for g in GPU_GRIDS if g != "small"] if name == "all" else [name]
-    if any(n not in GRIDS for n in names):
-        raise ValueError(f"grid: {name!r} is not one of {sorted(GRIDS) + ['all']}")
-    out = [w for n in names for w in GRIDS[n]()]
+def grid_names(spec) -> list[str]:
+    """Grid names from ``"all"``, ``"gqa,varlen"`` or a list of such; raises ValueError on an
+    unknown name."""
+    parts = [spec] if isinstance(spec, str) else list(spec)
+    names: list[str] = []
+    for part in parts:
+        for name in filter(None, (p.strip() for p in part.split(","))):
+            if name != "all" and name not in GRIDS:
+                raise ValueError(f"grid: {name!r} is not one of {', '.join([*GRIDS, 'all'])}")
+            names += ALL_GRIDS if name == "all" else [name]
+    return list(dict.fromkeys(names))
+
+
+def grid_workloads(name, *, seqlens=None, head_dims=None, match=None) -> list[Workload]:
+    """The workloads of grid ``name`` (a name, ``"all"`` = ``ALL_GRIDS``, or several
+    comma-separated), optionally restricted to the given key sequence lengths (``Sk``), head
+    dims, and names matching the regular expression ``match``."""
+    out = [w for n in grid_names(name) for w in GRIDS[n]()]
     if seqlens:
         out = [w for w in out if w.seqlen_k in seqlens]
     if head_dims:

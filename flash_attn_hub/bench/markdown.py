@@ -1,0 +1,256 @@
+"""``RESULTS.md`` of a run: where and what was measured, a summary of our ratios, GQA/MQA
+backward peak memory against SDPA flash, per grid one TFLOP/s table per mode (workloads x
+providers) and the plots, per workload a side-by-side table (every provider, every mode,
+our ratio to each peer), what was skipped and why, and how everything was counted."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from .plots import MODE_TITLES, versions
+
+MiB = 1 << 20
+SDPA_FLASH = "sdpa-flash"
+SHORT = {"fwd": "fwd", "bwd": "bwd", "fwd_bwd": "fwd+bwd"}
+
+NOTES = """\
+- **FLOPs** (ANCHORS.md): forward `4 * B * Hq * Sq * Sk * D`, halved for a causal square score
+  matrix; causal with `Sq != Sk`, sliding windows and packed documents count the visible
+  (query, key) pairs exactly (bottom-right aligned masks). Backward = 2.5x forward,
+  forward + backward = 3.5x. GQA counts query heads. TFLOP/s = FLOPs / median time.
+- **Timing**: every provider in one process, one after another; `triton.testing.do_bench`
+  (L2 flushed before each call) median with 20th/80th percentiles (`ms_p20`, `ms_p50`,
+  `ms_p80` in the data); several random input sets rotated for small problems. "bwd" times
+  the backward alone (the forward graph is built outside the timed region; FlexAttention is
+  compiled with AOTAutograd's buffer donation off, which that needs); "fwd" runs without
+  autograd (inference: no tensors saved for a backward).
+- **Ours**: `ours-triton` / `ours-cuda` force `FLASH_ATTN_HUB_BACKEND`; `ours-cuda` is the
+  compiled Hopper forward, and its backward (not implemented in CUDA) runs on Triton.
+- **Ratio**: our TFLOP/s over the best peer's in the same process, workload and mode (ours are
+  never peers); the per-workload tables also give our ratio to every other provider. A run
+  measured in several commands is merged per (workload, mode): a group comes whole from one
+  command, so a ratio never mixes two processes.
+- **Verification**: before timing, every provider's output (and, when backward modes run,
+  dQ/dK/dV) on a slice (last batch element or longest document, up to 128 trailing query rows,
+  first and last query heads) is compared with `tests/reference.py` in float64: the error
+  may be at most 2x PyTorch's own error in the same precision. A provider that fails is
+  skipped with its reason (listed above).
+- **Peak memory**: `torch.cuda.max_memory_allocated` during one call minus what was allocated
+  before it (outputs, gradients, saved tensors and workspaces of that call; for "bwd" the
+  forward's saved tensors already exist, so it is what the backward adds: dQ/dK/dV and
+  workspaces, e.g. a group-expanded dK/dV before its reduction).
+- **Varlen** (16k-token packed batches, lognormal document lengths: `sft` SFT-like, `longtail`
+  mostly short documents with a few long ones): SDPA has no native varlen; `sdpa-*-padded`
+  runs SDPA on the batch right-padded to its longest document (padding done outside the timed
+  region) and is credited with the useful FLOPs only; `flex-docmask` is FlexAttention with a
+  causal document mask over the packed batch.
+- **Window**: SDPA flash/cuDNN take no mask; `sdpa-efficient-densemask` uses a dense boolean
+  mask; `flex` uses a sliding-window block mask.
+- **Decode** (`Sq = 1`): memory-bound, so GB/s (q, k, v read, out written) is listed too.
+"""
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return ""
+    return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.3g}"
+
+
+def _ours_first(providers) -> list[str]:
+    return sorted(set(providers), key=lambda p: (not p.startswith("ours"), p))
+
+
+def _mask(r: dict) -> str:
+    mask = "causal" if r["causal"] else "full"
+    if r["window_left"] >= 0:
+        mask += f" w{r['window_left']}"
+    if r["varlen"]:
+        mask += f" varlen {r.get('mix') or ''} x{r['num_seqs']}".replace("  ", " ")
+    return mask
+
+
+def _row(line: list[str]) -> str:
+    return "| " + " | ".join(line) + " |"
+
+
+def _header(head: list[str]) -> list[str]:
+    return [_row(head), "|" + "---|" * len(head)]
+
+
+def _grid_table(rows: list[dict], value, providers, ours) -> list[str]:
+    """One row per workload, one column per provider (``value`` of its record), then the
+    best peer and our ratios to it (TFLOP/s)."""
+    lines = _header(["D", "Hq/Hkv", "B", "Sq", "Sk", "mask", *providers, "best peer",
+                     *[f"{o} / best" for o in ours]])
+    by_workload: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        by_workload.setdefault(r["workload"], {})[r["provider"]] = r
+    for cells in by_workload.values():
+        any_r = next(iter(cells.values()))
+        line = [str(any_r["head_dim"]), f"{any_r['heads_q']}/{any_r['heads_kv']}", str(any_r["batch"]),
+                str(any_r["seqlen_q"]), str(any_r["seqlen_k"]), _mask(any_r)]
+        line += [_fmt(value(cells[p])) if p in cells else "-" for p in providers]
+        line.append(any_r["best_peer"] or "-")
+        line += [f"{cells[o]['ratio_to_best_peer']:.2f}x" if o in cells and cells[o]["ratio_to_best_peer"]
+                 else "-" for o in ours]
+        lines.append(_row(line))
+    return lines
+
+
+def _mib(r: dict | None) -> float | None:
+    return None if r is None or r["peak_mem_bytes"] is None else r["peak_mem_bytes"] / MiB
+
+
+def summary(records: list[dict]) -> list[str]:
+    """Per (grid, mode, our backend): geometric mean, min and max of the ratio to the best
+    peer over the workloads, and the peer that was best most often."""
+    lines = _header(["grid", "mode", "ours", "workloads", "geomean / best peer", "min", "max",
+                     "best peer (most often)"])
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if r["provider"].startswith("ours") and r["ratio_to_best_peer"]:
+            groups.setdefault((r["grid"], r["mode"], r["provider"]), []).append(r)
+    if not groups:
+        return []
+    order = {m: i for i, m in enumerate(MODE_TITLES)}
+    for (grid, mode, ours), rows in sorted(groups.items(), key=lambda kv: (kv[0][0], order[kv[0][1]], kv[0][2])):
+        ratios = [r["ratio_to_best_peer"] for r in rows]
+        geomean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        peers = [r["best_peer"] for r in rows]
+        common = max(dict.fromkeys(peers), key=peers.count)
+        lines.append(_row([grid, MODE_TITLES[mode], ours, str(len(rows)), f"{geomean:.2f}x", f"{min(ratios):.2f}x",
+                           f"{max(ratios):.2f}x", f"{common} ({peers.count(common)}/{len(rows)})"]))
+    return lines
+
+
+def gqa_memory(records: list[dict]) -> list[str]:
+    """Backward peak memory of GQA/MQA workloads: every provider in MiB, and ours over SDPA
+    flash (which reduces a group-expanded dK/dV; ours reduce in the kernel)."""
+    rows = [r for r in records if r["heads_q"] != r["heads_kv"] and r["mode"] in ("bwd", "fwd_bwd")
+            and r["peak_mem_bytes"] is not None]
+    if not rows:
+        return []
+    providers = _ours_first(r["provider"] for r in rows)
+    ours = [p for p in providers if p.startswith("ours")]
+    lines = _header(["workload", "mode", *[f"{p} MiB" for p in providers], *[f"{o} / {SDPA_FLASH}" for o in ours]])
+    cells: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        cells.setdefault((r["workload"], r["mode"]), {})[r["provider"]] = r
+    for (workload, mode), by in cells.items():
+        flash = next((r for p, r in by.items() if p.startswith(SDPA_FLASH)), None)
+        line = [f"`{workload}`", MODE_TITLES[mode], *[_fmt(_mib(by.get(p))) or "-" for p in providers]]
+        for o in ours:
+            line.append(f"{by[o]['peak_mem_bytes'] / flash['peak_mem_bytes']:.2f}x"
+                        if o in by and flash and flash["peak_mem_bytes"] else "-")
+        lines.append(_row(line))
+    return lines
+
+
+def workload_table(rows: list[dict]) -> list[str]:
+    """One workload side by side: a row per provider with TFLOP/s and median ms per mode
+    (GB/s for decode), peak memory per mode, and each of our backends' TFLOP/s ratio to it."""
+    any_r = rows[0]
+    modes = [m for m in MODE_TITLES if any(r["mode"] == m for r in rows)]
+    providers = _ours_first(r["provider"] for r in rows)
+    ours = [p for p in providers if p.startswith("ours")]
+    gbps = any(r.get("gbps") for r in rows)
+    by = {(r["provider"], r["mode"]): r for r in rows}
+    head = ["provider"]
+    short = [SHORT[m] for m in modes]
+    for m in short:
+        head += [f"{m} TFLOP/s", f"{m} ms"] + ([f"{m} GB/s"] if gbps else [])
+    head.append("peak MiB " + " / ".join(short))
+    head += [f"{o} vs this ({' / '.join(short)})" for o in ours]
+    shape = (f"Sq={any_r['seqlen_q']}, Sk={any_r['seqlen_k']}" if any_r["seqlen_q"] != any_r["seqlen_k"]
+             else f"S={any_r['seqlen_q']}")
+    what = (f"D={any_r['head_dim']}, Hq/Hkv={any_r['heads_q']}/{any_r['heads_kv']}, B={any_r['batch']}, "
+            f"{shape}, {_mask(any_r)}" + (f", {any_r['total_tokens_q']} tokens" if any_r["varlen"] else ""))
+    lines = [f"#### `{any_r['workload']}`", "", what + ".", ""] + _header(head)
+    for p in providers:
+        line = [p]
+        for m in modes:
+            r = by.get((p, m))
+            line += [_fmt(r["tflops"]) if r else "-", f"{r['ms_p50']:.3g}" if r else "-"]
+            if gbps:
+                line.append(_fmt(r.get("gbps")) if r else "-")
+        line.append(" / ".join(_fmt(_mib(by.get((p, m)))) or "-" for m in modes))
+        for o in ours:
+            if o == p:
+                line.append("")
+                continue
+            ratios = []
+            for m in modes:
+                mine, theirs = by.get((o, m)), by.get((p, m))
+                ratios.append(f"{mine['tflops'] / theirs['tflops']:.2f}x" if mine and theirs else "-")
+            line.append(" / ".join(ratios))
+        lines.append(_row(line))
+    return lines + [""]
+
+
+def _header_lines(env: dict, parts: list[dict]) -> list[str]:
+    lines = [f"GPU: **{env.get('gpu')}**" + (f" (driver {env['driver']})" if env.get("driver") else "") +
+             f"; {versions(env)}; kernels {env.get('kernels')}; our build `{env.get('kernel_build')}`; "
+             f"git `{env.get('git_sha')}`; {env.get('date')}.", ""]
+    if len(parts) > 1:
+        lines += [f"Measured in {len(parts)} commands (one process each, merged per workload and mode):", ""]
+        for part in parts:
+            penv = part.get("env", {})
+            took = f", {part['elapsed_s'] / 60:.1f} min" if part.get("elapsed_s") else ""
+            what = (f"`python -m flash_attn_hub {' '.join(part['argv'])}`" if part.get("argv")
+                    else f"run `{part.get('source', '?')}`")
+            lines.append(f"- {', '.join(part.get('grids', []))}: {what} "
+                         f"({penv.get('date')}, git `{penv.get('git_sha')}`{took})")
+        lines.append("")
+    return lines
+
+
+def markdown(records: list[dict], skips: list[dict], env: dict, plots: list[Path], run_dir: Path,
+             title: str, parts: list[dict] | None = None) -> str:
+    lines = [f"# {title}", "", *_header_lines(env, parts or [])]
+    if str(env.get("gpu", "")).startswith("none"):
+        lines += ["**No GPU**: a tiny CPU grid that checks the pipeline. GPU numbers need a GPU.", ""]
+    not_run = [w for part in parts or [] for w in part.get("not_run", [])]
+    if not_run:
+        lines += [f"**Incomplete**: {len(not_run)} workloads were not measured (time budget): "
+                  + ", ".join(f"`{w}`" for w in not_run), ""]
+    lines += ["Raw data: [results.json](results.json), [results.csv](results.csv).", ""]
+    table = summary(records)
+    if table:
+        lines += ["## Summary: ours against the best peer (TFLOP/s ratio)", "", *table, ""]
+    table = gqa_memory(records)
+    if table:
+        lines += ["## GQA / MQA backward: peak memory", "",
+                  "What one backward (or forward + backward) call allocates; SDPA flash reduces a "
+                  "group-expanded dK/dV, ours reduce over the query group in the kernel.", "", *table, ""]
+    for grid in dict.fromkeys(r["grid"] for r in records):
+        lines += [f"## {grid}", ""]
+        grid_rows = [r for r in records if r["grid"] == grid]
+        for mode in MODE_TITLES:
+            rows = [r for r in grid_rows if r["mode"] == mode]
+            if not rows:
+                continue
+            providers = _ours_first(r["provider"] for r in rows)
+            ours = [p for p in providers if p.startswith("ours")]
+            lines += [f"### {MODE_TITLES[mode]}: TFLOP/s (median)", ""]
+            lines += _grid_table(rows, lambda r: r["tflops"], providers, ours) + [""]
+            if any(r.get("gbps") for r in rows):
+                lines += [f"### {MODE_TITLES[mode]}: GB/s (median)", ""]
+                lines += _grid_table(rows, lambda r: r["gbps"], providers, ours) + [""]
+        for p in plots:
+            if p.name.startswith(f"{grid}-"):
+                lines += [f"![{p.stem}]({p.relative_to(run_dir).as_posix()})", ""]
+        lines += [f"### {grid}: per workload", ""]
+        for workload in dict.fromkeys(r["workload"] for r in grid_rows):
+            lines += workload_table([r for r in grid_rows if r["workload"] == workload])
+    if skips:
+        lines += ["## Skipped", "", *_header(["provider", "workloads", "mode", "reason"])]
+        grouped: dict[tuple, int] = {}
+        for s in skips:
+            key = (s["provider"], s["mode"], s["reason"])
+            grouped[key] = grouped.get(key, 0) + 1
+        for (provider, mode, reason), n in grouped.items():
+            lines.append(_row([provider, str(n), mode, reason.replace("|", "/").replace("\n", " ")]))
+        lines.append("")
+    lines += ["## Method", "", NOTES]
+    return "\n".join(lines)
