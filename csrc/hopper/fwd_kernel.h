@@ -15,8 +15,9 @@
 // the sequence end (and the diagonal) come first; each block is masked only when its rectangle
 // touches an invisible element (BandMask::needs_mask), so interior blocks pay nothing.
 // Inside a consumer the S GEMM of block n and the P V GEMM of block n+1 are in flight together
-// and the softmax of block n overlaps the latter (see the [Note] in the loop). The two consumer
-// warpgroups are not yet scheduled against each other (no pingpong barriers).
+// and the softmax of block n overlaps the latter (see the [Note] in the loop). Across the two
+// consumers, the GEMMs of one warpgroup are issued while the other runs its softmax
+// ([Note] Pingpong).
 //
 // [Note] Barrier protocol
 // full_k[s]/full_v[s]: init count 1; the producer arrives once with the expected byte count and
@@ -25,6 +26,15 @@
 // waits empty with the opposite parity, so the first pass through the ring does not block.
 // Q has its own barrier, loaded once even when no key block is visible (the consumers always
 // wait on it, then write zeros and -inf/s_aux).
+//
+// [Note] Pingpong
+// Two named barriers (kPingpongBarrier + consumer index, 256 threads: the 128 that wait plus the
+// 128 of the other consumer that arrive) hand the tensor cores from one consumer to the other:
+// in each main-loop iteration a consumer waits for its turn, issues its S and P V GEMMs, then
+// gives the turn away and runs its softmax while the other one's GEMMs execute. Both consumers
+// of a CTA visit the same key blocks, so they run the same number of iterations L. Consumer 1
+// grants the first turn before the loop and withholds the grant of its last iteration, so each
+// barrier sees exactly L syncs and L arrivals and none is left pending at exit.
 #pragma once
 
 #include <cuda.h>
@@ -56,6 +66,17 @@ struct FwdArgs {
 // Register budgets after setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536 per SM.
 constexpr int kProducerRegisters = 40;
 constexpr int kConsumerRegisters = 232;
+// Hardware barrier ids of the pingpong hand-over (id 0 is __syncthreads).
+constexpr int kPingpongBarrier = 1;
+constexpr int kPingpongThreads = 256;
+
+__device__ __forceinline__ void named_barrier_sync(int id) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(kPingpongThreads) : "memory");
+}
+
+__device__ __forceinline__ void named_barrier_arrive(int id) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(kPingpongThreads) : "memory");
+}
 
 struct SeqInfo {
   int q_start, k_start, seqlen_q, seqlen_k, tma_batch;
@@ -256,6 +277,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   Barrier::wait(bar_q, 0);
   PipelineState<Traits> st_k;  // slot of the block whose scores are computed next
   PipelineState<Traits> st_v;  // slot of the block whose P V is added next
+  const int main_iters = max(n_max - n_min - 1, 0);  // [Note] Pingpong
+  if (wg == 1 && main_iters > 0) named_barrier_arrive(kPingpongBarrier + 0);
   int n = n_max - 1;
   if (n >= n_min) {
     Barrier::wait(&full_k[st_k.stage], st_k.phase);
@@ -267,8 +290,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     // [Note] Overlap inside a warpgroup: the scores of block n are issued before the P V of
     // block n+1, and the softmax of block n runs while that P V is on the tensor cores. O is
     // rescaled by block n's correction only after the P V has retired (it writes O).
-    for (--n; n >= n_min; --n) {
+    for (int iter = 0; iter < main_iters; ++iter) {
+      --n;
       Barrier::wait(&full_k[st_k.stage], st_k.phase);
+      named_barrier_sync(kPingpongBarrier + wg);  // our turn on the tensor cores
       warpgroup_fence_operand(tSrS);
       warpgroup_arrive();
       mma_s.accumulate_ = gmma::ScaleOut::Zero;
@@ -287,6 +312,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         cute::gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, st_v.stage), tOrO);
       }
       warpgroup_commit_batch();
+      if (wg == 0 || iter + 1 < main_iters) named_barrier_arrive(kPingpongBarrier + 1 - wg);
       warpgroup_wait<1>();  // scores of block n are in
       warpgroup_fence_operand(tSrS);
       Barrier::arrive(&empty_k[st_k.stage]);
