@@ -1,64 +1,53 @@
-"""GPU ONLY: measure candidate tile configs of the Triton backward kernels, write the tuning file.
+"""GPU ONLY: time candidate tile configs of the Triton backward kernels, write the tuning file.
 
-    python benchmarks/tune_triton_bwd.py        # all head-dim buckets, writes
-                                                # torch-ext/flash_attn/triton_bwd_configs.json
-    python benchmarks/tune_triton_bwd.py --head-dims 128 --quick --out /tmp/t.json
+    python benchmarks/tune_triton_bwd.py --quick        # D=128, S=4096, coordinate descent,
+                                                        # < 4 min on an H200
+    python benchmarks/tune_triton_bwd.py                # D 64/128/256 x S 1k/4k/16k, exhaustive
+    python benchmarks/tune_triton_bwd.py --head-dims 128 --seqlens 4096 16384 --out /tmp/t.json
 
-The dK/dV and dQ kernels are separate launches, so the search is coordinate-wise: with the dQ
-tiles of the table fixed it times every dK/dV candidate ``(BLOCK_M, BLOCK_N, num_warps,
-num_stages)``, then with the best dK/dV fixed every dQ candidate. Each time is the whole
-backward (``triton.testing.do_bench`` median, fresh random bf16 inputs, 16k tokens per batch as
-in ANCHORS.md, out/lse from the Triton forward), scored by the geometric mean of the causal and
-non-causal TFLOP/s (backward = 2.5 x forward FLOPs). Every candidate is first checked against
-the float64 reference on a small GQA causal problem. The winner is recorded for this GPU's
-arch with the measurement as its reason; the kernel module reads the file on first use and
-its entries replace the defaults of ``_triton_bwd.TILES``; other entries in the file are kept.
-Long-format results go to ``$OUT/tune_triton_bwd.jsonl`` when ``OUT`` is set.
+The dK/dV and dQ kernels are separate launches, so the search runs per kernel: with the dQ
+fields of the table fixed it searches the dK/dV fields of ``_triton_bwd.BwdTiles``, then with
+the best dK/dV fixed the dQ fields. Each time is the whole backward (delta, dK/dV, dQ; bf16, 16k
+tokens per batch, out/lse from the Triton forward, backward FLOPs = 2.5 x forward), on a causal
+and a non-causal workload; D=128 uses the GQA 32/8 case of ANCHORS.md. The best config is
+recorded for this GPU, head-dim bucket and sequence-length bucket in
+``torch-ext/flash_attn/triton_bwd_configs.json`` (or ``--out``), merged with the entries already
+there. Search, timing and the summary table printed last are ``_tune_common``'s; long-format
+results go to ``$OUT/tune_triton_bwd.jsonl`` when ``OUT`` is set.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import datetime
-import importlib
-import itertools
-import json
 import math
-import os
 import sys
-import types
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+import _tune_common as tc
+from reference import attention_reference, relative_error
 
-from reference import attention_reference, relative_error  # noqa: E402
-
-# Head dim -> (query heads, kv heads): the standard grid of ANCHORS.md; D=128 uses its GQA case.
-HEADS = {64: (32, 32), 128: (32, 8), 256: (8, 8)}
-# Per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates.
+HEADS = {64: (32, 32), 128: (32, 8), 256: (8, 8)}  # head dim -> (query, kv) heads
+# Candidate values per kernel, for sm90. The dK/dV kernel holds two BLOCK_N x BLOCK_D fp32
+# accumulators; ptxas reports 255 registers at 8 warps for D=128, so its query step BLOCK_M is
+# the main trade-off (16 spills least, 64 measured fastest); stages 1 frees shared memory and
+# registers. On sm90+ the ``*_tma`` fields are searched first: tensor descriptors cut ptxas's
+# spills (dK/dV 64x128, 2 stages: 2.2 KB -> 1.3 KB; dQ 128x64: 255 regs -> 180, no spill).
 DKDV = {
-    64: dict(block_m=(16, 32, 64), block_n=(64, 128), warps=(4, 8), stages=(2, 3)),
-    128: dict(block_m=(16, 32, 64), block_n=(64, 128), warps=(8,), stages=(2, 3)),
-    256: dict(block_m=(16, 32), block_n=(32, 64), warps=(8,), stages=(1, 2)),
+    64: dict(dkdv_block_m=(16, 32, 64), dkdv_block_n=(64, 128), dkdv_warps=(4, 8),
+             dkdv_stages=(1, 2, 3)),
+    128: dict(dkdv_block_m=(16, 32, 64), dkdv_block_n=(64, 128), dkdv_warps=(4, 8),
+              dkdv_stages=(1, 2, 3)),
+    256: dict(dkdv_block_m=(16, 32), dkdv_block_n=(32, 64), dkdv_warps=(4, 8),
+              dkdv_stages=(1, 2)),
 }
 DQ = {
-    64: dict(block_m=(64, 128), block_n=(32, 64), warps=(4, 8), stages=(2, 3)),
-    128: dict(block_m=(64, 128), block_n=(32, 64), warps=(4, 8), stages=(2, 3)),
-    256: dict(block_m=(32, 64), block_n=(16, 32), warps=(4, 8), stages=(1, 2)),
+    64: dict(dq_block_m=(64, 128), dq_block_n=(32, 64, 128), dq_warps=(4, 8),
+             dq_stages=(1, 2, 3)),
+    128: dict(dq_block_m=(64, 128), dq_block_n=(32, 64, 128), dq_warps=(4, 8),
+              dq_stages=(1, 2, 3)),
+    256: dict(dq_block_m=(32, 64), dq_block_n=(16, 32), dq_warps=(4, 8), dq_stages=(1, 2)),
 }
-
-
-def _package():
-    package = types.ModuleType("flash_attn_tune")
-    package.__path__ = [str(REPO / "torch-ext" / "flash_attn")]
-    sys.modules["flash_attn_tune"] = package
-    return (importlib.import_module("flash_attn_tune._triton_bwd"),
-            importlib.import_module("flash_attn_tune._triton_fwd"),
-            importlib.import_module("flash_attn_tune._params").AttnParams)
+CHECK_SEQLEN = 304  # ragged against every tile, a multiple of 16 (no extra specialisation)
 
 
 def _params(attn_params, head_dim, causal, seqlen):
@@ -70,8 +59,9 @@ def _params(attn_params, head_dim, causal, seqlen):
 class Problem:
     """Inputs, forward results and NaN-poisoned gradient buffers of one batched workload."""
 
-    def __init__(self, fwd, attn_params, batch, seqlen, heads, head_dim, causal):
+    def __init__(self, bwd, fwd, attn_params, batch, seqlen, heads, head_dim, causal):
         hq, hkv = heads
+        self.bwd = bwd
         self.params = _params(attn_params, head_dim, causal, seqlen)
         rand = dict(device="cuda", dtype=torch.bfloat16)
         self.q = torch.randn(batch, seqlen, hq, head_dim, **rand)
@@ -84,132 +74,81 @@ class Problem:
                     cu_seqlens_k=None, s_aux=None, alibi_slopes=None, params=self.params)
         self.grads = [torch.full_like(t, math.nan) for t in (self.q, self.k, self.v)]
 
-    def run(self, bwd, tiles):
-        bwd.backward(self.dout, self.q, self.k, self.v, self.out, self.lse, *self.grads, None,
-                     cu_seqlens_q=None, cu_seqlens_k=None, s_aux=None, alibi_slopes=None,
-                     params=self.params, tiles=tiles)
+    def run(self, tiles):
+        self.bwd.backward(self.dout, self.q, self.k, self.v, self.out, self.lse, *self.grads,
+                          None, cu_seqlens_q=None, cu_seqlens_k=None, s_aux=None,
+                          alibi_slopes=None, params=self.params, tiles=tiles)
 
 
-def _correct(bwd, fwd, attn_params, head_dim, tiles) -> bool:
-    """The candidate against float64 autograd on a small GQA causal problem (bf16 rule)."""
+def _checker(bwd, fwd, attn_params, heads, head_dim):
+    """``correct(tiles)``: gradients of a small causal problem (same GQA group and head count
+    as the timed ones, so no extra compile) within the bf16 rule of float64 autograd."""
     torch.manual_seed(0)
-    problem = Problem(fwd, attn_params, 2, 300, (4, 2), head_dim, True)
-    problem.run(bwd, tiles)
+    problem = Problem(bwd, fwd, attn_params, 1, CHECK_SEQLEN, heads, head_dim, True)
 
     def grads(dtype):
-        leaves = [t.detach().requires_grad_(True) for t in (problem.q, problem.k, problem.v)]
+        leaves = [t.detach().to(dtype).requires_grad_(True)
+                  for t in (problem.q, problem.k, problem.v)]
         out, _ = attention_reference(*leaves, causal=True, dtype=dtype)
         return torch.autograd.grad(out, leaves, problem.dout.to(dtype))
 
     ref, low = grads(torch.float64), grads(torch.bfloat16)
-    return all(relative_error(ours, r) <= 2 * relative_error(lo, r) + 1e-6
-               for ours, r, lo in zip(problem.grads, ref, low))
+    bounds = [2 * relative_error(lo, r) + 1e-6 for lo, r in zip(low, ref)]
 
-
-def _tflops(batch, seqlen, heads_q, head_dim, causal, ms):
-    flops = 2.5 * 4 * batch * heads_q * seqlen * seqlen * head_dim / (2 if causal else 1)
-    return flops / ms * 1e-9
+    def correct(tiles):
+        for g in problem.grads:
+            g.fill_(math.nan)
+        problem.run(tiles)
+        return all(relative_error(ours, r) <= b for ours, r, b in zip(problem.grads, ref, bounds))
+    return correct
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--head-dims", type=int, nargs="+", default=sorted(HEADS))
-    parser.add_argument("--seqlen", type=int, default=4096)
-    parser.add_argument("--quick", action="store_true", help="first two candidates per kernel")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="tuning file (default: the package's triton_bwd_configs.json)")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("tune_triton_bwd.py needs a CUDA GPU", file=sys.stderr)
+    args = tc.parse_args(__doc__, sorted(HEADS))
+    if not tc.require_gpu("tune_triton_bwd.py"):
         return 2
-    import triton
-    from triton.testing import do_bench
-
-    bwd, fwd, attn_params = _package()
-    target = args.out or bwd.CONFIG_FILE
-    device = torch.device("cuda")
-    arch = bwd.arch_of(device)
-    gpu = torch.cuda.get_device_name(device)
-    stamp = datetime.date.today().isoformat()
-    versions = f"torch {torch.__version__}, triton {triton.__version__}"
-    log_path = Path(os.environ["OUT"]) / "tune_triton_bwd.jsonl" if os.environ.get("OUT") else None
-    existing = json.loads(target.read_text())["backward"] if target.exists() else []
-    entries = {(e["arch"], e["block_d"]): e for e in existing}
+    bwd, fwd, tuning, params_mod = tc.load("_triton_bwd", "_triton_fwd", "_tuning", "_params")
+    attn_params = params_mod.AttnParams
+    session = tc.Session("tune_triton_bwd", tuning, bwd.TABLE)
+    arch = tuning.arch_of(torch.device("cuda"))
 
     for head_dim in args.head_dims:
         heads = HEADS.get(head_dim, (16, 16))
-        batch = max(1, 16384 // args.seqlen)
-        block_d = bwd.block_d_for(head_dim)
-        torch.manual_seed(1)
-        problems = [Problem(fwd, attn_params, batch, args.seqlen, heads, head_dim, causal)
-                    for causal in (False, True)]
-        default = bwd.TILES[(arch, block_d)]
-        measured = {}
+        block_d = tuning.block_d_for(head_dim)
+        correct = _checker(bwd, fwd, attn_params, heads, head_dim)
+        for seqlen in args.seqlens:
+            batch = max(1, tc.TOKENS // seqlen)
+            torch.manual_seed(1)
+            flops = 2.5 * 4 * batch * heads[0] * seqlen * seqlen * head_dim
+            workloads = []
+            for causal in (False, True):
+                problem = Problem(bwd, fwd, attn_params, batch, seqlen, heads, head_dim, causal)
+                workloads.append(tc.Workload("causal" if causal else "full", problem.run,
+                                             flops / (2 if causal else 1),
+                                             dict(head_dim=head_dim, heads=list(heads),
+                                                  batch=batch, seqlen=seqlen)))
+            tag = f"D={head_dim} S={seqlen}"
+            results = {}
 
-        def measure(tiles):
-            """Geo-mean TFLOP/s of ``tiles`` (cached), None when it fails or is wrong."""
-            key = dataclasses.astuple(dataclasses.replace(tiles, reason=""))
-            if key in measured:
-                return measured[key]
-            measured[key] = None
-            try:
-                if not _correct(bwd, fwd, attn_params, head_dim, tiles):
-                    print(f"D={head_dim} {key[:8]}: WRONG RESULT, skipped", flush=True)
-                    return None
-                rates = []
-                for problem in problems:
-                    ms = do_bench(lambda: problem.run(bwd, tiles), warmup=25, rep=100)
-                    causal = problem.params.causal
-                    rates.append(_tflops(batch, args.seqlen, heads[0], head_dim, causal, ms))
-                    if log_path:
-                        with log_path.open("a") as log:
-                            log.write(json.dumps(dict(
-                                provider="ours-triton", mode="bwd", tiles=key[:8],
-                                head_dim=head_dim, heads=heads, batch=batch, seqlen=args.seqlen,
-                                causal=causal, ms=ms, tflops=rates[-1], gpu=gpu,
-                                versions=versions)) + "\n")
-            except Exception as err:  # out of shared memory / registers: not a candidate
-                print(f"D={head_dim} {key[:8]}: failed ({type(err).__name__}: {err})"[:200],
-                      flush=True)
-                return None
-            measured[key] = (math.sqrt(rates[0] * rates[1]), rates)
-            print(f"D={head_dim} {key[:8]}: {rates[0]:.0f} / {rates[1]:.0f} TFLOP/s "
-                  f"(non-causal / causal)", flush=True)
-            return measured[key]
+            def score(tiles):
+                key = tc.short(tiles)
+                if key not in results:
+                    results[key] = session.measure(tiles, correct, workloads, tag)
+                return results[key] and results[key][0]
 
-        def sweep(best, space, fields):
-            candidates = [dataclasses.replace(best, **dict(zip(fields, values)))
-                          for values in itertools.product(*space.values())]
-            if args.quick:
-                candidates = candidates[:2]
-            scored = [(measure(c), c) for c in [best, *candidates]]
-            scored = [(result[0], c) for result, c in scored if result is not None]
-            return max(scored, key=lambda sc: sc[0])[1] if scored else best
-
-        best = sweep(default, DKDV.get(block_d, DKDV[128]),
-                     ("dkdv_block_m", "dkdv_block_n", "dkdv_warps", "dkdv_stages"))
-        best = sweep(best, DQ.get(block_d, DQ[128]),
-                     ("dq_block_m", "dq_block_n", "dq_warps", "dq_stages"))
-        result = measure(best)
-        if result is None:
-            print(f"D={head_dim}: no candidate ran", file=sys.stderr)
-            continue
-        score, rates = result
-        base = measure(default)
-        versus = f"; table default {base[0]:.0f}" if base and best != default else ""
-        reason = (f"measured {stamp} on {gpu} ({versions}): bf16 B={batch} S={args.seqlen} "
-                  f"H={heads[0]}/{heads[1]} backward {rates[0]:.0f}/{rates[1]:.0f} TFLOP/s "
-                  f"non-causal/causal, geo-mean {score:.0f}{versus}")
-        entry = dataclasses.asdict(dataclasses.replace(best, reason=reason))
-        entries[(arch, block_d)] = dict(arch=arch, block_d=block_d, **entry)
-        print(f"D={head_dim}: best {dataclasses.astuple(best)[:8]} -- {reason}", flush=True)
-
-    ordered = sorted(entries.values(), key=lambda e: (e["arch"], e["block_d"]))
-    target.write_text(json.dumps({"backward": ordered}, indent=1) + "\n")
-    print(f"wrote {target}")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], target.name).write_text(target.read_text())
-    return 0
+            default = bwd.TABLE.default(arch, head_dim)
+            best = tc.search(default, {**tc.hopper_fields("dkdv_tma"),
+                                       **DKDV.get(block_d, DKDV[128])}, score, args.quick)
+            best = tc.search(best, {**tc.hopper_fields("dq_tma"), **DQ.get(block_d, DQ[128])},
+                             score, args.quick)
+            if results.get(tc.short(best)) is None:
+                print(f"{tag}: no candidate ran", file=sys.stderr)
+                continue
+            session.record(block_d=block_d, seqlen=seqlen,
+                           shape=f"B={batch} S={seqlen} H={heads[0]}/{heads[1]} D={head_dim}",
+                           best=best, default=default, result=results[tc.short(best)],
+                           default_result=results.get(tc.short(default)))
+    return session.finish(args.out)
 
 
 if __name__ == "__main__":

@@ -1,54 +1,38 @@
-"""GPU ONLY: measure candidate tile configs of the Triton forward kernel, write the tuning file.
+"""GPU ONLY: time candidate tile configs of the Triton forward kernel, write the tuning file.
 
-    python benchmarks/tune_triton_fwd.py      # every head-dim bucket; writes the package's
-                                              # torch-ext/flash_attn/triton_fwd_configs.json
-    python benchmarks/tune_triton_fwd.py --head-dims 128 --quick --out /tmp/t.json
+    python benchmarks/tune_triton_fwd.py --quick        # D=128, S=4096, coordinate descent,
+                                                        # < 4 min on an H200
+    python benchmarks/tune_triton_fwd.py                # D 64/128/256 x S 1k/4k/16k, exhaustive
+    python benchmarks/tune_triton_fwd.py --head-dims 128 --seqlens 4096 16384 --out /tmp/t.json
 
-For each head-dim bucket it times every candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``
-with ``triton.testing.do_bench`` (median, fresh random bf16 inputs, 16k tokens per batch as in
-ANCHORS.md) on a causal and a non-causal workload, scores a candidate by the geometric mean of its
-TFLOP/s, and records the winner for this GPU's arch with the measurement as its reason. The
-kernel module reads the file on first use; entries it holds replace the defaults of
-``_triton_fwd.TILES`` for the (arch, BLOCK_D) they name, other entries in the file are kept.
-Every candidate is checked against the float64 reference on a small problem before it is timed.
-Long-format results go to ``$OUT/tune_triton_fwd.jsonl`` when ``OUT`` is set.
+For each (head dim, sequence length) it times candidates of ``_triton_fwd.FwdTiles`` on a causal
+and a non-causal workload (bf16, 16k tokens per batch, the heads of ANCHORS.md's grid) and
+records the best for this GPU (``torch.cuda.get_device_name``), its head-dim bucket and
+sequence-length bucket in ``torch-ext/flash_attn/triton_fwd_configs.json`` (or ``--out``),
+merged with the entries already there. Search, timing and the summary table printed last are
+``_tune_common``'s; long-format results go to ``$OUT/tune_triton_fwd.jsonl`` when ``OUT`` is set.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import importlib
-import itertools
-import json
-import math
-import os
 import sys
-import types
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+import _tune_common as tc
+from reference import attention_reference, relative_error
 
-from reference import attention_reference, relative_error  # noqa: E402
-
-# Head dim -> query heads of the standard grid (ANCHORS.md), kv heads equal.
-HEADS = {64: 32, 128: 16, 256: 8}
-CANDIDATES = {
+HEADS = {64: 32, 128: 16, 256: 8}  # head dim -> heads (query = kv) of the standard grid
+# Candidate values per FwdTiles field, for sm90 (every value also compiles for sm80). D=128:
+# the 128 x 64 x 8 warps x 3 stages default reached 456-472 TFLOP/s; 128 x 128 spills. On sm90+
+# ``tma`` is searched first (ptxas: 248 -> 200 registers at D=128, which changes the best tiles);
+# ``warp_specialize`` only on sm100+ (triton 3.6 compiles it to the same code on sm90).
+SPACE = {
     64: dict(block_m=(64, 128), block_n=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4)),
-    128: dict(block_m=(64, 128), block_n=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3)),
+    128: dict(block_m=(64, 128), block_n=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4)),
     256: dict(block_m=(64, 128), block_n=(32, 64), num_warps=(4, 8), num_stages=(1, 2)),
 }
-
-
-def _package():
-    package = types.ModuleType("flash_attn_tune")
-    package.__path__ = [str(REPO / "torch-ext" / "flash_attn")]
-    sys.modules["flash_attn_tune"] = package
-    return (importlib.import_module("flash_attn_tune._triton_fwd"),
-            importlib.import_module("flash_attn_tune._params").AttnParams)
+CHECK_SEQLEN = 304  # ragged against every tile, a multiple of 16 (no extra specialisation)
 
 
 def _params(attn_params, head_dim, causal, seqlen):
@@ -57,122 +41,79 @@ def _params(attn_params, head_dim, causal, seqlen):
                        deterministic=False, max_seqlen_q=seqlen, max_seqlen_k=seqlen)
 
 
-def _inputs(batch, seqlen, heads, head_dim):
-    shape = (batch, seqlen, heads, head_dim)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    out = torch.empty_like(q)
-    lse = torch.empty(batch, heads, seqlen, device="cuda", dtype=torch.float32)
-    return q, k, v, out, lse
+class Problem:
+    """Random bf16 inputs and NaN-poisoned outputs of one batched forward."""
 
+    def __init__(self, fwd, attn_params, batch, seqlen, heads, head_dim, causal):
+        self.fwd = fwd
+        self.params = _params(attn_params, head_dim, causal, seqlen)
+        shape = (batch, seqlen, heads, head_dim)
+        self.q, self.k, self.v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+                                  for _ in range(3))
+        self.out = torch.full_like(self.q, float("nan"))
+        self.lse = torch.full((batch, heads, seqlen), float("nan"), device="cuda")
 
-def _call(fwd, tensors, params, tiles):
-    q, k, v, out, lse = tensors
-    fwd.forward(q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, s_aux=None,
-                alibi_slopes=None, params=params, tiles=tiles)
-
-
-def _correct(fwd, attn_params, head_dim, tiles) -> bool:
-    """The candidate against the float64 reference on a small causal problem (bf16 rule)."""
-    torch.manual_seed(0)
-    tensors = _inputs(2, 300, 2, head_dim)
-    params = _params(attn_params, head_dim, True, 300)
-    _call(fwd, tensors, params, tiles)
-    q, k, v, out, lse = tensors
-    ref, _ = attention_reference(q, k, v, causal=True)
-    low, _ = attention_reference(q, k, v, causal=True, dtype=q.dtype)
-    return relative_error(out, ref) <= 2 * relative_error(low, ref) + 1e-6
-
-
-def _tflops(batch, seqlen, heads, head_dim, causal, ms):
-    flops = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
-    return flops / ms * 1e-9
+    def run(self, tiles):
+        self.fwd.forward(self.q, self.k, self.v, self.out, self.lse, cu_seqlens_q=None,
+                         cu_seqlens_k=None, s_aux=None, alibi_slopes=None, params=self.params,
+                         tiles=tiles)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--head-dims", type=int, nargs="+", default=sorted(HEADS))
-    parser.add_argument("--seqlen", type=int, default=4096)
-    parser.add_argument("--quick", action="store_true", help="first two candidates only")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="tuning file (default: the package's triton_fwd_configs.json)")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("tune_triton_fwd.py needs a CUDA GPU", file=sys.stderr)
+    args = tc.parse_args(__doc__, sorted(HEADS))
+    if not tc.require_gpu("tune_triton_fwd.py"):
         return 2
-    import triton
-    from triton.testing import do_bench
-
-    fwd, attn_params = _package()
-    target = args.out or fwd.CONFIG_FILE
-    device = torch.device("cuda")
-    arch = fwd.arch_of(device)
-    gpu = torch.cuda.get_device_name(device)
-    stamp = datetime.date.today().isoformat()
-    versions = f"torch {torch.__version__}, triton {triton.__version__}"
-    log_path = Path(os.environ["OUT"]) / "tune_triton_fwd.jsonl" if os.environ.get("OUT") else None
-    existing = json.loads(target.read_text())["forward"] if target.exists() else []
-    entries = {(e["arch"], e["block_d"]): e for e in existing}
+    fwd, tuning, params_mod = tc.load("_triton_fwd", "_tuning", "_params")
+    attn_params = params_mod.AttnParams
+    session = tc.Session("tune_triton_fwd", tuning, fwd.TABLE)
+    arch = tuning.arch_of(torch.device("cuda"))
 
     for head_dim in args.head_dims:
         heads = HEADS.get(head_dim, 16)
-        batch = max(1, 16384 // args.seqlen)
-        space = CANDIDATES.get(head_dim, CANDIDATES[128])
-        candidates = list(itertools.product(*space.values()))
-        if args.quick:
-            candidates = candidates[:2]
-        default = fwd.TILES[(arch, fwd.block_d_for(head_dim))][:4]
-        if default not in candidates:
-            candidates.append(default)
-        torch.manual_seed(1)
-        tensors = _inputs(batch, args.seqlen, heads, head_dim)
-        results = []
-        for tiles in candidates:
-            try:
-                if not _correct(fwd, attn_params, head_dim, tiles):
-                    print(f"D={head_dim} {tiles}: WRONG RESULT, skipped", flush=True)
-                    continue
-                rates = []
-                for causal in (False, True):
-                    params = _params(attn_params, head_dim, causal, args.seqlen)
-                    ms = do_bench(lambda: _call(fwd, tensors, params, tiles), warmup=25, rep=100)
-                    rates.append(_tflops(batch, args.seqlen, heads, head_dim, causal, ms))
-                    if log_path:
-                        with log_path.open("a") as log:
-                            log.write(json.dumps(dict(
-                                provider="ours-triton", tiles=tiles, head_dim=head_dim,
-                                heads=heads, batch=batch, seqlen=args.seqlen, causal=causal,
-                                ms=ms, tflops=rates[-1], gpu=gpu, versions=versions)) + "\n")
-            except Exception as err:  # out of shared memory / registers: not a candidate
-                print(f"D={head_dim} {tiles}: failed ({type(err).__name__}: {err})"[:200],
-                      flush=True)
-                continue
-            score = math.sqrt(rates[0] * rates[1])
-            results.append((score, tiles, rates))
-            print(f"D={head_dim} {tiles}: {rates[0]:.0f} / {rates[1]:.0f} TFLOP/s "
-                  f"(non-causal / causal)", flush=True)
-        if not results:
-            print(f"D={head_dim}: no candidate ran", file=sys.stderr)
-            continue
-        results.sort(reverse=True)
-        best_score, best, rates = results[0]
-        base = next((r for r in results if r[1] == default), None)
-        versus = (f"; table default {default} {base[0]:.0f}" if base and best != default else "")
-        runner = f"; runner-up {results[1][1]} {results[1][0]:.0f}" if len(results) > 1 else ""
-        reason = (f"measured {stamp} on {gpu} ({versions}): bf16 B={batch} S={args.seqlen} "
-                  f"H={heads}, {rates[0]:.0f}/{rates[1]:.0f} TFLOP/s non-causal/causal, "
-                  f"geo-mean {best_score:.0f}{runner}{versus}")
-        block_m, block_n, num_warps, num_stages = best
-        entries[(arch, fwd.block_d_for(head_dim))] = dict(
-            arch=arch, block_d=fwd.block_d_for(head_dim), block_m=block_m, block_n=block_n,
-            num_warps=num_warps, num_stages=num_stages, reason=reason)
-        print(f"D={head_dim}: best {best} -- {reason}", flush=True)
+        block_d = tuning.block_d_for(head_dim)
+        torch.manual_seed(0)
+        check = Problem(fwd, attn_params, 1, CHECK_SEQLEN, heads, head_dim, True)
+        ref, _ = attention_reference(check.q, check.k, check.v, causal=True)
+        low, _ = attention_reference(check.q, check.k, check.v, causal=True,
+                                     dtype=torch.bfloat16)
+        bound = 2 * relative_error(low, ref) + 1e-6
 
-    ordered = sorted(entries.values(), key=lambda e: (e["arch"], e["block_d"]))
-    target.write_text(json.dumps({"forward": ordered}, indent=1) + "\n")
-    print(f"wrote {target}")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], target.name).write_text(target.read_text())
-    return 0
+        def correct(tiles):
+            check.out.fill_(float("nan"))
+            check.run(tiles)
+            return relative_error(check.out, ref) <= bound
+
+        for seqlen in args.seqlens:
+            batch = max(1, tc.TOKENS // seqlen)
+            torch.manual_seed(1)
+            flops = 4 * batch * heads * seqlen * seqlen * head_dim
+            workloads = []
+            for causal in (False, True):
+                problem = Problem(fwd, attn_params, batch, seqlen, heads, head_dim, causal)
+                workloads.append(tc.Workload("causal" if causal else "full", problem.run,
+                                             flops / (2 if causal else 1),
+                                             dict(head_dim=head_dim, heads=heads, batch=batch,
+                                                  seqlen=seqlen)))
+            tag = f"D={head_dim} S={seqlen}"
+            results = {}
+
+            def score(tiles):
+                key = tc.short(tiles)
+                if key not in results:
+                    results[key] = session.measure(tiles, correct, workloads, tag)
+                return results[key] and results[key][0]
+
+            default = fwd.TABLE.default(arch, head_dim)
+            best = tc.search(default, {**tc.hopper_fields("tma"), **tc.blackwell_fields(
+                "warp_specialize"), **SPACE.get(block_d, SPACE[128])}, score, args.quick)
+            if results.get(tc.short(best)) is None:
+                print(f"{tag}: no candidate ran", file=sys.stderr)
+                continue
+            session.record(block_d=block_d, seqlen=seqlen,
+                           shape=f"B={batch} S={seqlen} H={heads} D={head_dim}", best=best,
+                           default=default, result=results[tc.short(best)],
+                           default_result=results.get(tc.short(default)))
+    return session.finish(args.out)
 
 
 if __name__ == "__main__":

@@ -205,6 +205,7 @@ def run_case(fwd, attn_params, device, dtype, spec, tiles=None):
         extra["alibi_slopes"] = torch.rand(shape["batch"], shape["heads_q"], device=device) * 0.3
     if spec.get("sink"):
         extra["s_aux"] = torch.randn(shape["heads_q"], device=device) * 2
+    tiles = None if tiles is None else fwd.FwdTiles(*tiles)
     out, lse = run_forward(fwd, q, k, v, params, tiles=tiles, **extra)
     check_against_reference(q, k, v, out, lse, params, **extra)
 
@@ -227,6 +228,58 @@ def test_other_tiles(fwd, attn_params, device, tiles, name):
     """Block-range arithmetic must not depend on BLOCK_M vs BLOCK_N (the table's GPU tiles)."""
     torch.manual_seed(1)
     run_case(fwd, attn_params, device, torch.float16, CASES[name], tiles=tiles)
+
+
+TMA_TILES = (32, 16, 1, 1, "tests: tensor descriptors", True)
+
+
+@pytest.fixture
+def descriptor_choices(fwd, monkeypatch):
+    """Records what the launcher's ``use_tma`` grants, so a test knows which path ran."""
+    granted = []
+
+    def recording(*args):
+        granted.append(use_tma(*args))
+        return granted[-1]
+    use_tma = fwd.use_tma
+    monkeypatch.setattr(fwd, "use_tma", recording)
+    return granted
+
+
+@pytest.mark.parametrize("name", ["causal_sq_gt_sk", "everything", "d8", "d40_transposed",
+                                  "sink_window_empty_rows", "transposed_gqa_causal"])
+def test_tensor_descriptor_path(fwd, attn_params, device, descriptor_choices, name):
+    """The TMA path (``tma=True``; the interpreter runs descriptors on CPU tensors): the
+    descriptor's own bounds replace every row and column mask, so ragged and padded shapes,
+    band edges and strided views must all still match the reference."""
+    torch.manual_seed(1)
+    run_case(fwd, attn_params, device, torch.float16, CASES[name], tiles=TMA_TILES)
+    assert descriptor_choices == [True]
+
+
+def test_misaligned_inputs_take_the_pointer_path(fwd, attn_params, device, descriptor_choices):
+    """A q whose rows start 8 bytes off a 16-byte boundary cannot back a descriptor: the
+    launcher falls back to pointers (and stays correct)."""
+    torch.manual_seed(2)
+    wide = torch.randn(2, 37, 4, 40, dtype=torch.float16, device=device)
+    q = wide[..., 4:36]  # data_ptr + 8 bytes
+    k, v = (torch.randn(2, 53, 4, 32, dtype=torch.float16, device=device) for _ in range(2))
+    params = make_params(attn_params, head_dim=32, causal=True, max_seqlen_q=37, max_seqlen_k=53)
+    out, lse = run_forward(fwd, q, k, v, params, tiles=fwd.FwdTiles(*TMA_TILES))
+    assert descriptor_choices == [False]
+    check_against_reference(q, k, v, out, lse, params)
+
+
+def test_tma_alignment_rule(common):
+    """``LaunchShape.tma_ok``: 16-byte aligned base and (batch, sequence, head) strides."""
+    q = torch.zeros(2, 8, 4, 64, dtype=torch.float16)
+    shape = common.LaunchShape(False, 2, 8, 8, 8, 8, 4, 4, 64)
+    assert shape.tma_ok(q, q.transpose(1, 2).contiguous().transpose(1, 2))
+    assert not shape.tma_ok(q[..., 4:36])  # base 8 bytes off
+    assert not shape.tma_ok(torch.zeros(2, 8, 4, 68, dtype=torch.float16)[..., :64])  # stride
+    varlen = common.LaunchShape(True, 2, 0, 0, 8, 8, 4, 4, 64)
+    packed = torch.zeros(16, 2, 4, 64, dtype=torch.float16)
+    assert varlen.tma_ok(packed[:, 0], packed[:, 1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,32 +381,35 @@ def _block_range_probe(cases, result, RANGE_FN: tl.constexpr, BLOCK_N: tl.conste
     tl.store(result + i * 4 + 3, hi)
 
 
-def test_key_block_range(common, device):
-    """`key_block_range` against brute force: blocks outside [lo, hi) are invisible to every row,
-    blocks in [full_lo, full_hi) visible to every row, the order lo <= full_lo <= full_hi <= hi."""
+@pytest.mark.parametrize("side", ["key", "query"])
+def test_block_ranges(common, device, side):
+    """`key_block_range` (key blocks a query block sees) and its mirror `query_block_range`
+    (query blocks a key block is seen by) against brute force: blocks outside [lo, hi) see
+    nothing, blocks in [full_lo, full_hi) see everything, lo <= full_lo <= full_hi <= hi."""
     gen = torch.Generator().manual_seed(4)
-    block_m, block_n = 16, 8
+    own, step = 16, 8  # rows of the program's own block, width of the blocks it walks
+    range_fn = common.key_block_range if side == "key" else common.query_block_range
     for left, right in [(-1, -1), (-1, 0), (5, 0), (0, -1), (3, 9), (20, 2), (0, 0)]:
         cases = []
         for _ in range(40):
             seqlen_q, seqlen_k = (int(x) for x in torch.randint(1, 60, (2,), generator=gen))
-            for m_first in range(0, seqlen_q, block_m):
-                m_last = min(m_first + block_m, seqlen_q) - 1
-                cases.append((m_first, m_last, seqlen_q, seqlen_k, left, right))
+            for first in range(0, seqlen_q if side == "key" else seqlen_k, own):
+                last = min(first + own, seqlen_q if side == "key" else seqlen_k) - 1
+                cases.append((first, last, seqlen_q, seqlen_k, left, right))
         table = torch.tensor(cases, dtype=torch.int32, device=device)
         result = torch.empty(len(cases), 4, dtype=torch.int32, device=device)
-        _block_range_probe[(len(cases),)](table, result, RANGE_FN=common.key_block_range,
-                                          BLOCK_N=block_n, HAS_LEFT=left >= 0,
-                                          HAS_RIGHT=right >= 0)
-        for (m_first, m_last, seqlen_q, seqlen_k, *_), (lo, full_lo, full_hi, hi) in zip(
+        _block_range_probe[(len(cases),)](table, result, RANGE_FN=range_fn, BLOCK_N=step,
+                                          HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0)
+        for (first, last, seqlen_q, seqlen_k, *_), (lo, full_lo, full_hi, hi) in zip(
                 cases, result.cpu().tolist()):
-            assert 0 <= lo <= full_lo <= full_hi <= hi <= -(-seqlen_k // block_n)
-            ok = visible_mask(seqlen_q, seqlen_k, left, right)[m_first:m_last + 1]
-            padded = torch.zeros(ok.shape[0], hi * block_n + seqlen_k + block_n, dtype=torch.bool)
-            padded[:, :seqlen_k] = ok
-            blocks = padded[:, :(padded.shape[1] // block_n) * block_n].reshape(
-                ok.shape[0], -1, block_n)
-            where = f"case {(m_first, m_last, seqlen_q, seqlen_k, left, right)}"
+            mask = visible_mask(seqlen_q, seqlen_k, left, right)
+            ok = mask[first:last + 1] if side == "key" else mask.T[first:last + 1]
+            walked = ok.shape[1]
+            assert 0 <= lo <= full_lo <= full_hi <= hi <= -(-walked // step)
+            padded = torch.zeros(ok.shape[0], hi * step + walked + step, dtype=torch.bool)
+            padded[:, :walked] = ok
+            blocks = padded[:, :(padded.shape[1] // step) * step].reshape(ok.shape[0], -1, step)
+            where = f"case {(first, last, seqlen_q, seqlen_k, left, right)}"
             assert not blocks[:, :lo].any() and not blocks[:, hi:].any(), where
             assert blocks[:, full_lo:full_hi].all(), where
 
@@ -370,21 +426,40 @@ def test_import_does_not_touch_cuda():
 
 
 _COMPILE_SCRIPT = """
-import sys, types, importlib, triton
+import dataclasses, importlib, os, re, subprocess, sys, tempfile, types, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 package = types.ModuleType("fa_compile"); package.__path__ = [sys.argv[1]]
 sys.modules["fa_compile"] = package
 fwd = importlib.import_module("fa_compile._triton_fwd")
+tuning = importlib.import_module("fa_compile._tuning")
 kernel = fwd._attn_fwd_kernel
 SMEM = {90: 232448, 80: 166912}  # opt-in shared memory per block, bytes
-for arch, head_dim, features in [(90, 64, True), (90, 128, True), (90, 256, True),
-                                 (80, 64, False), (80, 128, True), (80, 256, False)]:
-    block_m, block_n, num_warps, num_stages = fwd.tile_config_for(f"sm{arch}", head_dim)
-    const = dict(HEAD_DIM=head_dim, BLOCK_D=fwd.block_d_for(head_dim), BLOCK_M=block_m,
-                 BLOCK_N=block_n, GROUP=4, IS_VARLEN=features, HAS_WINDOW_LEFT=features,
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+def ptxas_usage(ptx, arch):
+    # registers per thread and spill bytes, as ptxas -v reports them
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx); f.flush()
+        log = subprocess.run([PTXAS, "-v", f"-arch=sm_{arch}{'a' if arch == 90 else ''}", f.name,
+                              "-o", os.devnull], capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\\d+) registers", log).group(1)
+    spill = re.search(r"(\\d+) bytes spill stores", log).group(1)
+    return f"{regs} regs, {spill} B spill stores"
+
+# (arch, head dim, every feature on, overrides of the table's tiles)
+CASES = [(90, 64, True, {}), (90, 128, True, {}), (90, 256, True, {}),
+         (80, 64, False, {}), (80, 128, True, {}), (80, 256, False, {}),
+         (90, 64, True, dict(tma=True)), (90, 128, True, dict(tma=True)),
+         (90, 128, False, dict(tma=True, warp_specialize=True)),
+         (90, 256, True, dict(tma=True))]
+for arch, head_dim, features, override in CASES:
+    tiles = dataclasses.replace(fwd.TABLE.default(f"sm{arch}", head_dim), **override)
+    const = dict(HEAD_DIM=head_dim, BLOCK_D=tuning.block_d_for(head_dim), BLOCK_M=tiles.block_m,
+                 BLOCK_N=tiles.block_n, GROUP=4, IS_VARLEN=features, HAS_WINDOW_LEFT=features,
                  HAS_WINDOW_RIGHT=True, SOFTCAP=features, HAS_ALIBI=features,
-                 HAS_SINK=features, DROPOUT=features)
+                 HAS_SINK=features, DROPOUT=features, TMA=tiles.tma,
+                 WARP_SPECIALIZE=tiles.warp_specialize)
     sig = {}
     for name in kernel.arg_names:
         if name in const:
@@ -395,7 +470,7 @@ for arch, head_dim, features in [(90, 64, True), (90, 128, True), (90, 256, True
             sig[name] = "*i32" if name.startswith("CU_") else "*fp32"
         elif name in ("qk_scale", "softcap_log2", "dropout_rescale"):
             sig[name] = "fp32"
-        elif name in ("dropout_threshold", "seed_lo", "seed_hi"):
+        elif name in ("threshold", "seed_lo", "seed_hi"):
             sig[name] = "u32"
         else:
             sig[name] = "i32"
@@ -404,22 +479,26 @@ for arch, head_dim, features in [(90, 64, True), (90, 128, True), (90, 256, True
              if sig[name].startswith("*") or name.startswith("stride")}
     compiled = triton.compile(ASTSource(kernel, sig, const, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+                              options=dict(num_warps=tiles.num_warps,
+                                           num_stages=tiles.num_stages))
     shared = compiled.metadata.shared
     assert shared <= SMEM[arch], f"sm{arch} D={head_dim}: {shared} B shared memory"
-    print(f"sm{arch} D={head_dim} tiles {(block_m, block_n, num_warps, num_stages)}: "
-          f"{shared} B shared memory")
+    print(f"sm{arch} D={head_dim} features={features} {override or 'table'} "
+          f"{(tiles.block_m, tiles.block_n, tiles.num_warps, tiles.num_stages)}: "
+          f"{shared} B shared memory, {ptxas_usage(compiled.asm['ptx'], arch)}")
 """
 
 
 def test_compiles_for_gpu_targets():
     """The interpreter skips Triton's compiler (which, e.g., rejects non-constexpr globals):
-    compile the kernel for sm90 and sm80 with the table's tiles, no GPU needed (ptxas ships
-    with Triton), and check the shared memory fits."""
+    compile the kernel for sm90 and sm80 with the table's tiles, and the tensor-descriptor
+    (and warp-specialised) variants for sm90, no GPU needed (ptxas ships with Triton); check
+    the shared memory fits. ``pytest -s`` prints each variant's registers and spills."""
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(SOURCE_PACKAGE)],
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+    print(result.stdout)
 
 
 # ---------------------------------------------------------------------------------------------

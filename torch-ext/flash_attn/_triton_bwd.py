@@ -11,6 +11,8 @@ Glossary (see also ``_triton_common``):
   DKDV_BLOCK_M/N     query rows per step / keys owned, in the dK/dV kernel
   DQ_BLOCK_M/N       queries owned / keys per step, in the dQ kernel
   IS_VARLEN          sequences delimited by cu_seqlens; batch strides are then unused (0)
+  TMA                Q, dO, K, V read through tensor descriptors (``rows_source``; sm90+,
+                     16-byte aligned), per kernel (``dkdv_tma``, ``dq_tma``)
 
 Three launches, none with atomics:
   1. ``_bwd_delta_kernel``: DELTA = rowsum(DO * O) in fp32, one program per (query block, head).
@@ -47,7 +49,7 @@ scale applied once to the fp32 accumulators. The sink logit gets
 the dK/dV kernel, the last query block in the dQ kernel). Its padding lanes are loaded as zeros
 and never stored, and each dK/dV row depends only on its own key (each dQ row only on its own
 query), so the interior loop may run over them unmasked: only the loop dimension needs the
-bounds, and ``_query_block_range`` / ``key_block_range`` keep interior blocks inside it.
+bounds, and ``query_block_range`` / ``key_block_range`` keep interior blocks inside it.
 
 [Note: offsets] Per-program bases (batch, head, sequence start) and per-block offsets are
 int64; in-tile offsets stay int32, so tensors beyond 2**31 elements address correctly.
@@ -56,8 +58,6 @@ int64; in-tile offsets stay int32, so tensors beyond 2**31 elements address corr
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 from pathlib import Path
 
 import torch
@@ -65,79 +65,11 @@ import triton
 import triton.language as tl
 
 from ._params import AttnParams
-from ._triton_common import (LOG2E, dropout_constants, dropout_keep, dropout_row_hash,
-                             key_block_range, mix32, score_constants, tanh)
-
-
-# ---------------------------------------------------------------------------------------------
-# Hooks shared by both loops. Row/column indices arrive already broadcast to 2-D (rows[:, None]
-# in the dQ orientation (M, N), rows[None, :] in the transposed dK/dV orientation (N, M)), so
-# one hook serves both; the arithmetic is that of ``_triton_common.scores_log2``.
-# ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _scores(qk, rows2, cols2, diag, qk_scale, softcap_log2, alibi_slope_log2,
-            SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
-    """Raw fp32 ``qk`` -> ``(s2, t)``: scores in log2 units (unmasked) and, with SOFTCAP, the
-    tanh the chain rule needs (otherwise ``t`` is ``s2`` and unused)."""
-    s = qk * qk_scale
-    t = s
-    if SOFTCAP:
-        t = tanh(s)
-        s = softcap_log2 * t
-    if HAS_ALIBI:
-        s = s - alibi_slope_log2 * tl.abs(rows2 + diag - cols2).to(tl.float32)
-    return s, t
-
-
-@triton.jit
-def _visible(rows2, cols2, seqlen_q, seqlen_k, window_left, window_right,
-             HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr):
-    """Visibility of key ``cols2`` from query ``rows2`` (``_triton_common.visible``, any
-    orientation), sequence bounds included."""
-    diag2 = rows2 + (seqlen_k - seqlen_q)
-    ok = (cols2 < seqlen_k) & (rows2 < seqlen_q)
-    if HAS_WINDOW_LEFT:
-        ok = ok & (cols2 >= diag2 - window_left)
-    if HAS_WINDOW_RIGHT:
-        ok = ok & (cols2 <= diag2 + window_right)
-    return ok
-
-
-@triton.jit
-def _query_block_range(n_first, n_last, seqlen_q, seqlen_k, window_left, window_right,
-                       BLOCK_M: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
-                       HAS_WINDOW_RIGHT: tl.constexpr):
-    """Query blocks that keys ``n_first..n_last`` (valid, sequence-local) are visible to: the
-    mirror of ``_triton_common.key_block_range``. Returns ``(lo, full_lo, full_hi, hi)``;
-    ``[full_lo, full_hi)`` see every one of the keys and lie inside ``seqlen_q`` (no mask).
-    Row ``i`` sees key ``j`` iff ``j - diag - right <= i <= j - diag + left``; every integer
-    division sees non-negative operands."""
-    diag = seqlen_k - seqlen_q
-    if HAS_WINDOW_RIGHT:
-        first_row = tl.maximum(n_first - diag - window_right, 0)
-        full_first_row = tl.maximum(n_last - diag - window_right, 0)
-    else:
-        first_row = 0
-        full_first_row = 0
-    if HAS_WINDOW_LEFT:
-        end_row = tl.maximum(tl.minimum(n_last - diag + window_left + 1, seqlen_q), 0)
-        full_end_row = tl.maximum(tl.minimum(n_first - diag + window_left + 1, seqlen_q), 0)
-    else:
-        end_row = seqlen_q
-        full_end_row = seqlen_q
-    lo = first_row // BLOCK_M
-    hi = tl.maximum(tl.cdiv(end_row, BLOCK_M), lo)
-    full_lo = tl.minimum(tl.maximum(tl.cdiv(full_first_row, BLOCK_M), lo), hi)
-    full_hi = tl.minimum(tl.maximum(full_end_row // BLOCK_M, full_lo), hi)
-    return lo, full_lo, full_hi, hi
-
-
-@triton.jit
-def _safe_lse_log2(lse):
-    """LSE (natural) -> log2 units, -inf (no visible key) -> +inf so that P = 0 there."""
-    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+from ._triton_common import (LOG2E, LaunchShape, dropout_keep, dropout_row_hash,
+                             key_block_range, load_rows, load_rows_t, mix32, query_block_range,
+                             rows_source, safe_lse_log2, scores_log2, shared_arguments,
+                             store_rows, use_tma, visible)
+from ._tuning import HEAD_DIM_BUCKETS, TileTable
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,18 +97,15 @@ def _bwd_delta_kernel(O, DO, DELTA, CU_SEQLENS_Q,
         return
     batch64 = batch.to(tl.int64)
     head64 = head.to(tl.int64)
-    row0 = (q_start + m_first).to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = m_first + offs_m < seqlen_q
-    ok = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    o = tl.load(O + batch64 * stride_ob + head64 * stride_oh + row0 * stride_os
-                + offs_m[:, None] * stride_os + offs_d[None, :], mask=ok, other=0.0)
-    do = tl.load(DO + batch64 * stride_dob + head64 * stride_doh + row0 * stride_dos
-                 + offs_m[:, None] * stride_dos + offs_d[None, :], mask=ok, other=0.0)
+    row0 = tl.cast(q_start, tl.int64)
+    o = load_rows(O + batch64 * stride_ob + head64 * stride_oh + row0 * stride_os, m_first,
+                  stride_os, seqlen_q, BLOCK_M, HEAD_DIM, BLOCK_D, True, False)
+    do = load_rows(DO + batch64 * stride_dob + head64 * stride_doh + row0 * stride_dos, m_first,
+                   stride_dos, seqlen_q, BLOCK_M, HEAD_DIM, BLOCK_D, True, False)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + batch64 * stride_lb + head64 * stride_lh + row0 * stride_ls
-             + offs_m * stride_ls, delta, mask=m_ok)
+    rows = m_first + tl.arange(0, BLOCK_M)
+    tl.store(DELTA + batch64 * stride_lb + head64 * stride_lh + (row0 + rows) * stride_ls, delta,
+             mask=rows < seqlen_q)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,46 +115,39 @@ def _bwd_delta_kernel(O, DO, DELTA, CU_SEQLENS_Q,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos,
-                stride_ls, block_lo, block_hi, cols, offs_d, seqlen_q, seqlen_k, qk_scale,
+def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qs, stride_dos,
+                stride_ls, block_lo, block_hi, cols, seqlen_q, seqlen_k, qk_scale,
                 softcap_log2, alibi_slope_log2, window_left, window_right, seed_lo, seed_hi,
                 batch, head, num_heads_q, threshold, dropout_rescale,
                 MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
-                DROPOUT: tl.constexpr):
-    """Accumulates the contribution of query blocks ``[block_lo, block_hi)`` of one head."""
+                DROPOUT: tl.constexpr, TMA: tl.constexpr):
+    """Accumulates the contribution of query blocks ``[block_lo, block_hi)`` of one head;
+    ``q_src``/``do_src`` are that head's Q/dO matrices as ``rows_source`` gives them."""
     diag = seqlen_k - seqlen_q
     offs_m = tl.arange(0, BLOCK_M)
-    d_ok = offs_d < HEAD_DIM
     for block in range(block_lo, block_hi):
         start_m = block * BLOCK_M
         rows = start_m + offs_m
-        row64 = start_m.to(tl.int64)
-        q_t_ptrs = q_base + row64 * stride_qs + offs_m[None, :] * stride_qs + offs_d[:, None]
-        do_ptrs = do_base + row64 * stride_dos + offs_m[:, None] * stride_dos + offs_d[None, :]
+        q_t = load_rows_t(q_src, start_m, stride_qs, seqlen_q, BLOCK_M, HEAD_DIM, BLOCK_D,
+                          MASKED, TMA)
+        do = load_rows(do_src, start_m, stride_dos, seqlen_q, BLOCK_M, HEAD_DIM, BLOCK_D,
+                       MASKED, TMA)
         if MASKED:
             m_ok = rows < seqlen_q
-            q_t = tl.load(q_t_ptrs, mask=d_ok[:, None] & m_ok[None, :], other=0.0)
-            do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
             lse = tl.load(lse_base + rows * stride_ls, mask=m_ok, other=0.0)
             delta = tl.load(delta_base + rows * stride_ls, mask=m_ok, other=0.0)
         else:
-            if BLOCK_D == HEAD_DIM:
-                q_t = tl.load(q_t_ptrs)
-                do = tl.load(do_ptrs)
-            else:
-                q_t = tl.load(q_t_ptrs, mask=d_ok[:, None], other=0.0)
-                do = tl.load(do_ptrs, mask=d_ok[None, :], other=0.0)
             lse = tl.load(lse_base + rows * stride_ls)
             delta = tl.load(delta_base + rows * stride_ls)
-        s_t, t_t = _scores(tl.dot(k, q_t), rows[None, :], cols[:, None], diag, qk_scale,
-                           softcap_log2, alibi_slope_log2, SOFTCAP, HAS_ALIBI)
+        s_t, t_t = scores_log2(tl.dot(k, q_t), rows[None, :], cols[:, None], diag,
+                               qk_scale, softcap_log2, alibi_slope_log2, SOFTCAP, HAS_ALIBI)
         if MASKED:
-            ok = _visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left,
-                          window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+            ok = visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left,
+                         window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
             s_t = tl.where(ok, s_t, float("-inf"))
-        p_t = tl.exp2(s_t - _safe_lse_log2(lse)[None, :])
+        p_t = tl.exp2(s_t - safe_lse_log2(lse)[None, :])
         dp_t = tl.dot(v, tl.trans(do))
         if DROPOUT:
             row_hash = dropout_row_hash(seed_lo, seed_hi, batch, head, num_heads_q, rows)
@@ -254,7 +176,7 @@ def _bwd_dkdv_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr,
         HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-        HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr):
+        HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr):
     pid_n = tl.program_id(0)
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -275,16 +197,15 @@ def _bwd_dkdv_kernel(
 
     batch64 = batch.to(tl.int64)
     kv_head64 = kv_head.to(tl.int64)
-    q_row0 = q_start.to(tl.int64)
-    k_row0 = (k_start + n_first).to(tl.int64)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    cols = n_first + offs_n
-    kv_ok = (cols < seqlen_k)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(K + batch64 * stride_kb + kv_head64 * stride_kh + k_row0 * stride_ks
-                + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0)
-    v = tl.load(V + batch64 * stride_vb + kv_head64 * stride_vh + k_row0 * stride_vs
-                + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)
+    q_row0 = tl.cast(q_start, tl.int64)
+    k_row0 = tl.cast(k_start, tl.int64)
+    cols = n_first + tl.arange(0, BLOCK_N)
+    k_src = rows_source(K + batch64 * stride_kb + kv_head64 * stride_kh + k_row0 * stride_ks,
+                        seqlen_k, stride_ks, BLOCK_N, HEAD_DIM, BLOCK_D, TMA)
+    v_src = rows_source(V + batch64 * stride_vb + kv_head64 * stride_vh + k_row0 * stride_vs,
+                        seqlen_k, stride_vs, BLOCK_N, HEAD_DIM, BLOCK_D, TMA)
+    k = load_rows(k_src, n_first, stride_ks, seqlen_k, BLOCK_N, HEAD_DIM, BLOCK_D, True, TMA)
+    v = load_rows(v_src, n_first, stride_vs, seqlen_k, BLOCK_N, HEAD_DIM, BLOCK_D, True, TMA)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     if DROPOUT:
@@ -292,14 +213,17 @@ def _bwd_dkdv_kernel(
     else:
         thr = 0
 
-    lo, full_lo, full_hi, hi = _query_block_range(n_first, n_last, seqlen_q, seqlen_k,
-                                                  window_left, window_right, BLOCK_M,
-                                                  HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+    lo, full_lo, full_hi, hi = query_block_range(n_first, n_last, seqlen_q, seqlen_k,
+                                                 window_left, window_right, BLOCK_M,
+                                                 HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
     for g in range(GROUP):
         head = kv_head * GROUP + g
         head64 = head.to(tl.int64)
-        q_base = Q + batch64 * stride_qb + head64 * stride_qh + q_row0 * stride_qs
-        do_base = DO + batch64 * stride_dob + head64 * stride_doh + q_row0 * stride_dos
+        q_src = rows_source(Q + batch64 * stride_qb + head64 * stride_qh + q_row0 * stride_qs,
+                            seqlen_q, stride_qs, BLOCK_M, HEAD_DIM, BLOCK_D, TMA)
+        do_src = rows_source(DO + batch64 * stride_dob + head64 * stride_doh
+                             + q_row0 * stride_dos, seqlen_q, stride_dos, BLOCK_M, HEAD_DIM,
+                             BLOCK_D, TMA)
         lse_base = LSE + batch64 * stride_lb + head64 * stride_lh + q_row0 * stride_ls
         delta_base = DELTA + batch64 * stride_lb + head64 * stride_lh + q_row0 * stride_ls
         if HAS_ALIBI:
@@ -307,29 +231,30 @@ def _bwd_dkdv_kernel(
         else:
             alibi_slope_log2 = 0.0
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos,
-            stride_ls, full_lo, full_hi, cols, offs_d, seqlen_q, seqlen_k, qk_scale,
-            softcap_log2, alibi_slope_log2, window_left, window_right, seed_lo, seed_hi,
-            batch, head, num_heads_q, thr, dropout_rescale, False, HEAD_DIM, BLOCK_M,
-            BLOCK_D, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT)
+            dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qs, stride_dos,
+            stride_ls, full_lo, full_hi, cols, seqlen_q, seqlen_k, qk_scale, softcap_log2,
+            alibi_slope_log2, window_left, window_right, seed_lo, seed_hi, batch, head,
+            num_heads_q, thr, dropout_rescale, False, HEAD_DIM, BLOCK_M, BLOCK_D, SOFTCAP,
+            HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA)
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos,
-            stride_ls, lo, full_lo, cols, offs_d, seqlen_q, seqlen_k, qk_scale,
-            softcap_log2, alibi_slope_log2, window_left, window_right, seed_lo, seed_hi,
-            batch, head, num_heads_q, thr, dropout_rescale, True, HEAD_DIM, BLOCK_M,
-            BLOCK_D, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT)
+            dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qs, stride_dos,
+            stride_ls, lo, full_lo, cols, seqlen_q, seqlen_k, qk_scale, softcap_log2,
+            alibi_slope_log2, window_left, window_right, seed_lo, seed_hi, batch, head,
+            num_heads_q, thr, dropout_rescale, True, HEAD_DIM, BLOCK_M, BLOCK_D, SOFTCAP,
+            HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA)
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos,
-            stride_ls, full_hi, hi, cols, offs_d, seqlen_q, seqlen_k, qk_scale,
-            softcap_log2, alibi_slope_log2, window_left, window_right, seed_lo, seed_hi,
-            batch, head, num_heads_q, thr, dropout_rescale, True, HEAD_DIM, BLOCK_M,
-            BLOCK_D, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT)
+            dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qs, stride_dos,
+            stride_ls, full_hi, hi, cols, seqlen_q, seqlen_k, qk_scale, softcap_log2,
+            alibi_slope_log2, window_left, window_right, seed_lo, seed_hi, batch, head,
+            num_heads_q, thr, dropout_rescale, True, HEAD_DIM, BLOCK_M, BLOCK_D, SOFTCAP,
+            HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA)
 
     dk = dk * softmax_scale
-    out_offs = k_row0 * stride_dks + offs_n[:, None] * stride_dks + offs_d[None, :]
-    out_base = batch64 * stride_dkb + kv_head64 * stride_dkh
-    tl.store(DK + out_base + out_offs, dk.to(DK.dtype.element_ty), mask=kv_ok)
-    tl.store(DV + out_base + out_offs, dv.to(DV.dtype.element_ty), mask=kv_ok)
+    out_base = batch64 * stride_dkb + kv_head64 * stride_dkh + k_row0 * stride_dks
+    store_rows(DK + out_base, n_first, stride_dks, seqlen_k, dk.to(DK.dtype.element_ty),
+               BLOCK_N, HEAD_DIM, BLOCK_D, False)
+    store_rows(DV + out_base, n_first, stride_dks, seqlen_k, dv.to(DV.dtype.element_ty),
+               BLOCK_N, HEAD_DIM, BLOCK_D, False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,37 +263,28 @@ def _bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, block_lo,
-              block_hi, rows, offs_n, offs_d, seqlen_q, seqlen_k, qk_scale, softcap_log2,
+def _dq_inner(dq, q, do, lse_log2, delta, k_src, v_src, stride_ks, stride_vs, block_lo,
+              block_hi, rows, offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2,
               alibi_slope_log2, window_left, window_right, row_hash, threshold,
               dropout_rescale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
               HAS_ALIBI: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
-              HAS_WINDOW_RIGHT: tl.constexpr, DROPOUT: tl.constexpr):
-    """Accumulates ``dS K`` over key blocks ``[block_lo, block_hi)``."""
+              HAS_WINDOW_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr):
+    """Accumulates ``dS K`` over key blocks ``[block_lo, block_hi)``; ``k_src``/``v_src`` are
+    the sequence's K/V matrices as ``rows_source`` gives them."""
     diag = seqlen_k - seqlen_q
-    d_ok = offs_d < HEAD_DIM
     for block in range(block_lo, block_hi):
         start_n = block * BLOCK_N
         cols = start_n + offs_n
-        col64 = start_n.to(tl.int64)
-        k_t_ptrs = k_base + col64 * stride_ks + offs_n[None, :] * stride_ks + offs_d[:, None]
-        v_t_ptrs = v_base + col64 * stride_vs + offs_n[None, :] * stride_vs + offs_d[:, None]
+        k_t = load_rows_t(k_src, start_n, stride_ks, seqlen_k, BLOCK_N, HEAD_DIM, BLOCK_D,
+                          MASKED, TMA)
+        v_t = load_rows_t(v_src, start_n, stride_vs, seqlen_k, BLOCK_N, HEAD_DIM, BLOCK_D,
+                          MASKED, TMA)
+        s, t = scores_log2(tl.dot(q, k_t), rows[:, None], cols[None, :], diag, qk_scale,
+                           softcap_log2, alibi_slope_log2, SOFTCAP, HAS_ALIBI)
         if MASKED:
-            n_ok = cols < seqlen_k
-            k_t = tl.load(k_t_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-            v_t = tl.load(v_t_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        elif BLOCK_D == HEAD_DIM:
-            k_t = tl.load(k_t_ptrs)
-            v_t = tl.load(v_t_ptrs)
-        else:
-            k_t = tl.load(k_t_ptrs, mask=d_ok[:, None], other=0.0)
-            v_t = tl.load(v_t_ptrs, mask=d_ok[:, None], other=0.0)
-        s, t = _scores(tl.dot(q, k_t), rows[:, None], cols[None, :], diag, qk_scale,
-                       softcap_log2, alibi_slope_log2, SOFTCAP, HAS_ALIBI)
-        if MASKED:
-            ok = _visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left,
-                          window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+            ok = visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left,
+                         window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
             s = tl.where(ok, s, float("-inf"))
         p = tl.exp2(s - lse_log2[:, None])
         dp = tl.dot(do, v_t)
@@ -393,7 +309,7 @@ def _bwd_dq_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr,
         HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-        HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr):
+        HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr):
     # Heaviest query blocks first (bottom-right causal: the last rows see the most keys).
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -416,23 +332,26 @@ def _bwd_dq_kernel(
     batch64 = batch.to(tl.int64)
     head64 = head.to(tl.int64)
     kv_head64 = (head // GROUP).to(tl.int64)
-    q_row0 = (q_start + m_first).to(tl.int64)
-    k_row0 = k_start.to(tl.int64)
+    q_row0 = tl.cast(q_start, tl.int64)
+    k_row0 = tl.cast(k_start, tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
     rows = m_first + offs_m
     m_ok = rows < seqlen_q
-    tile_ok = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q = tl.load(Q + batch64 * stride_qb + head64 * stride_qh + q_row0 * stride_qs
-                + offs_m[:, None] * stride_qs + offs_d[None, :], mask=tile_ok, other=0.0)
-    do = tl.load(DO + batch64 * stride_dob + head64 * stride_doh + q_row0 * stride_dos
-                 + offs_m[:, None] * stride_dos + offs_d[None, :], mask=tile_ok, other=0.0)
-    lse_offs = batch64 * stride_lb + head64 * stride_lh + q_row0 * stride_ls + offs_m * stride_ls
-    lse_log2 = _safe_lse_log2(tl.load(LSE + lse_offs, mask=m_ok, other=0.0))
+    q_src = rows_source(Q + batch64 * stride_qb + head64 * stride_qh + q_row0 * stride_qs,
+                        seqlen_q, stride_qs, BLOCK_M, HEAD_DIM, BLOCK_D, TMA)
+    do_src = rows_source(DO + batch64 * stride_dob + head64 * stride_doh + q_row0 * stride_dos,
+                         seqlen_q, stride_dos, BLOCK_M, HEAD_DIM, BLOCK_D, TMA)
+    k_src = rows_source(K + batch64 * stride_kb + kv_head64 * stride_kh + k_row0 * stride_ks,
+                        seqlen_k, stride_ks, BLOCK_N, HEAD_DIM, BLOCK_D, TMA)
+    v_src = rows_source(V + batch64 * stride_vb + kv_head64 * stride_vh + k_row0 * stride_vs,
+                        seqlen_k, stride_vs, BLOCK_N, HEAD_DIM, BLOCK_D, TMA)
+    q = load_rows(q_src, m_first, stride_qs, seqlen_q, BLOCK_M, HEAD_DIM, BLOCK_D, True, TMA)
+    do = load_rows(do_src, m_first, stride_dos, seqlen_q, BLOCK_M, HEAD_DIM, BLOCK_D, True, TMA)
+    lse_offs = (batch64 * stride_lb + head64 * stride_lh + (q_row0 + m_first) * stride_ls
+                + offs_m * stride_ls)
+    lse_log2 = safe_lse_log2(tl.load(LSE + lse_offs, mask=m_ok, other=0.0))
     delta = tl.load(DELTA + lse_offs, mask=m_ok, other=0.0)
-    k_base = K + batch64 * stride_kb + kv_head64 * stride_kh + k_row0 * stride_ks
-    v_base = V + batch64 * stride_vb + kv_head64 * stride_vh + k_row0 * stride_vs
     if HAS_ALIBI:
         alibi_slope_log2 = tl.load(ALIBI + batch64 * stride_ab + head) * LOG2E
     else:
@@ -448,32 +367,33 @@ def _bwd_dq_kernel(
     lo, full_lo, full_hi, hi = key_block_range(m_first, m_last, seqlen_q, seqlen_k,
                                                window_left, window_right, BLOCK_N,
                                                HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
-    dq = _dq_inner(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, full_lo,
-                   full_hi, rows, offs_n, offs_d, seqlen_q, seqlen_k, qk_scale, softcap_log2,
-                   alibi_slope_log2, window_left, window_right, row_hash, thr,
-                   dropout_rescale, False, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI,
-                   HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT)
-    dq = _dq_inner(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, lo,
-                   full_lo, rows, offs_n, offs_d, seqlen_q, seqlen_k, qk_scale, softcap_log2,
-                   alibi_slope_log2, window_left, window_right, row_hash, thr,
-                   dropout_rescale, True, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI,
-                   HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT)
-    dq = _dq_inner(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, full_hi,
-                   hi, rows, offs_n, offs_d, seqlen_q, seqlen_k, qk_scale, softcap_log2,
-                   alibi_slope_log2, window_left, window_right, row_hash, thr,
-                   dropout_rescale, True, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI,
-                   HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT)
+    dq = _dq_inner(dq, q, do, lse_log2, delta, k_src, v_src, stride_ks, stride_vs, full_lo, full_hi,
+                   rows, offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2,
+                   window_left, window_right, row_hash, thr, dropout_rescale, False, HEAD_DIM,
+                   BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT,
+                   DROPOUT, TMA)
+    dq = _dq_inner(dq, q, do, lse_log2, delta, k_src, v_src, stride_ks, stride_vs, lo, full_lo,
+                   rows, offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2,
+                   window_left, window_right, row_hash, thr, dropout_rescale, True, HEAD_DIM,
+                   BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT,
+                   DROPOUT, TMA)
+    dq = _dq_inner(dq, q, do, lse_log2, delta, k_src, v_src, stride_ks, stride_vs, full_hi, hi,
+                   rows, offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2,
+                   window_left, window_right, row_hash, thr, dropout_rescale, True, HEAD_DIM,
+                   BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT,
+                   DROPOUT, TMA)
 
     dq = dq * softmax_scale
-    tl.store(DQ + batch64 * stride_dqb + head64 * stride_dqh + q_row0 * stride_dqs
-             + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=tile_ok)
+    store_rows(DQ + batch64 * stride_dqb + head64 * stride_dqh + q_row0 * stride_dqs, m_first,
+               stride_dqs, seqlen_q, dq.to(DQ.dtype.element_ty), BLOCK_M, HEAD_DIM, BLOCK_D,
+               False)
 
 
 # ---------------------------------------------------------------------------------------------
-# Tile sizes: the one table, keyed by (arch, BLOCK_D). `benchmarks/tune_triton_bwd.py` measures
-# candidates on a GPU and writes `triton_bwd_configs.json` beside this file; its entries, with
-# their measured reasons, replace the defaults below for the (arch, BLOCK_D) they name.
+# Tile sizes: the one table of defaults, keyed by (arch, BLOCK_D). `benchmarks/tune_triton_bwd.py`
+# measures candidates on a GPU and writes `triton_bwd_configs.json` beside this file, keyed by
+# GPU name, BLOCK_D and sequence-length bucket; its entries, with their measured reasons, take
+# precedence (`_tuning`).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -490,6 +410,8 @@ class BwdTiles:
     dq_warps: int
     dq_stages: int
     reason: str = ""
+    dkdv_tma: bool = False  # dK/dV kernel reads K, V, Q, dO through tensor descriptors
+    dq_tma: bool = False  # dQ kernel reads Q, dO, K, V through tensor descriptors
 
 
 _T = BwdTiles
@@ -499,12 +421,16 @@ _T = BwdTiles
 # the loop runs 4x more iterations, which costs far more than the few spilled registers of
 # 64-row steps. Other entries follow the same shapes, scaled by the register budget (a dK/dV
 # program holds two BLOCK_N x BLOCK_D fp32 accumulators; D=256 halves the tiles), untimed.
+# Tensor descriptors (``*_tma``) stay off here until timed. ptxas sm_90a, D=128, bf16: dK/dV
+# 64x128 x 8 warps spills 2.7 -> 2.2 KB at 3 stages, 2.2 -> 1.3 KB at 2, 0.6 -> 0.4 KB at 1;
+# dQ 128x64 goes from 255 registers (24 B spilled) to 180, no spill.
 TILES = {
     ("sm90", 16): _T(64, 128, 8, 3, 128, 64, 8, 3, "untimed: small D, as D=64"),
     ("sm90", 32): _T(64, 128, 8, 3, 128, 64, 8, 3, "untimed: small D, as D=64"),
     ("sm90", 64): _T(64, 128, 8, 3, 128, 64, 8, 3, "untimed: 2x128x64 fp32 acc, 64 regs/th"),
-    ("sm90", 128): _T(64, 128, 8, 2, 128, 64, 8, 2,
-                      "H200 bf16 16k tokens: ~350 TFLOP/s; 16-row steps 102-124"),
+    ("sm90", 128): _T(64, 128, 8, 3, 128, 64, 8, 2,
+                      "H200 tune, GQA 32/8 S=4k: geo-mean 358 (dK/dV 2 stages 341, 32-row "
+                      "steps 347); 16-row steps 102-124"),
     ("sm90", 256): _T(32, 64, 8, 2, 64, 32, 8, 2, "untimed: D=256 register-bound, half tiles"),
     ("sm80", 16): _T(64, 128, 8, 3, 128, 64, 8, 3, "untimed: as sm90"),
     ("sm80", 32): _T(64, 128, 8, 3, 128, 64, 8, 3, "untimed: as sm90"),
@@ -512,7 +438,7 @@ TILES = {
     ("sm80", 128): _T(32, 128, 8, 2, 128, 32, 8, 2, "untimed: Ampere 164 KB smem, thinner steps"),
     ("sm80", 256): _T(32, 64, 8, 1, 64, 32, 8, 1, "untimed: Ampere, D=256 register-bound"),
 }
-for _d in (16, 32, 64, 128, 256):
+for _d in HEAD_DIM_BUCKETS:
     # Other archs (consumer parts have ~100 KB of shared memory): sm80's shapes, smaller at 256.
     TILES[("generic", _d)] = (_T(32, 32, 4, 1, 32, 16, 4, 1, "untimed: unknown arch, D=256")
                               if _d == 256 else _T(32, 64, 4, 2, 64, 32, 4, 2,
@@ -521,48 +447,13 @@ for _d in (16, 32, 64, 128, 256):
     TILES[("interpreter", _d)] = _T(16, 32, 1, 1, 32, 16, 1, 1, "interpreter: tests cross blocks")
 del _d, _T
 CONFIG_FILE = Path(__file__).with_name("triton_bwd_configs.json")
+TABLE = TileTable("backward", CONFIG_FILE, TILES, BwdTiles)
 DELTA_BLOCK_M = 64  # rows per program of the rowsum(dO * O) pass: memory-bound, any size works
 
 
-@functools.cache
-def _tuned_tiles() -> dict:
-    """Measured entries from ``triton_bwd_configs.json`` (absent file: no overrides)."""
-    if not CONFIG_FILE.exists():
-        return {}
-    entries = json.loads(CONFIG_FILE.read_text())["backward"]
-    fields = [f.name for f in dataclasses.fields(BwdTiles)]
-    return {(e["arch"], int(e["block_d"])): BwdTiles(**{name: e[name] for name in fields})
-            for e in entries}
-
-
-def block_d_for(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
-
-
-def arch_of(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "interpreter"
-    major, _ = torch.cuda.get_device_capability(device)
-    return {9: "sm90", 8: "sm80"}.get(major, "generic")
-
-
-def tile_config(head_dim: int, device: torch.device) -> BwdTiles:
-    key = (arch_of(device), block_d_for(head_dim))
-    return _tuned_tiles().get(key, TILES[key])
-
-
-def _seq_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
-    """(batch, sequence, head) strides of a (B, S, H, D) or varlen (T, H, D) tensor."""
-    if varlen:
-        return 0, t.stride(0), t.stride(1)
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
-def _lse_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
-    """(batch, head, row) strides of a (B, Hq, Sq) or varlen (Hq, Tq) tensor."""
-    if varlen:
-        return 0, t.stride(0), t.stride(1)
-    return t.stride(0), t.stride(1), t.stride(2)
+def tile_config(head_dim: int, device: torch.device, seqlen: int) -> BwdTiles:
+    """The tiles of a call: measured for this GPU if the tuning file has them, else the table."""
+    return TABLE.for_call(device, head_dim, seqlen)
 
 
 def _sink_gradient(s_aux, lse, delta, varlen: bool) -> torch.Tensor:
@@ -582,60 +473,41 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
     Batched: q ``(B, Sq, Hq, D)``, lse ``(B, Hq, Sq)``; varlen (``cu_seqlens_q`` given): q
     ``(Tq, Hq, D)``, lse ``(Hq, Tq)``. Inputs are validated by the caller. ``tiles`` overrides
     the tile table (tests and the tuning script use it)."""
-    varlen = cu_seqlens_q is not None
-    head_dim = q.shape[-1]
-    num_heads_q, num_heads_kv = q.shape[-2], k.shape[-2]
-    assert num_heads_q % num_heads_kv == 0 and dout.stride(-1) == 1 and out.stride(-1) == 1
+    shape = LaunchShape.of(q, k, cu_seqlens_q, params)
+    assert shape.heads_q % shape.heads_kv == 0 and dout.stride(-1) == 1 and out.stride(-1) == 1
     assert dq.is_contiguous() and dk.is_contiguous() and dv.is_contiguous()
-    if varlen:
-        batch = cu_seqlens_q.numel() - 1
-        seqlen_q = seqlen_k = 0
-        max_seqlen_q, max_seqlen_k = params.max_seqlen_q, params.max_seqlen_k
-    else:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
-    cfg = tiles or tile_config(head_dim, q.device)
-    block_d = block_d_for(head_dim)
-    lse_strides = _lse_strides(lse, varlen)
+    cfg = tiles or tile_config(shape.head_dim, q.device, shape.longest)
+    scalars, flags = shared_arguments(shape, params, alibi_slopes)
+    has_q = shape.batch > 0 and shape.max_seqlen_q > 0
+    has_k = shape.batch > 0 and shape.max_seqlen_k > 0
 
-    if batch > 0 and max_seqlen_q > 0:
-        grid = (triton.cdiv(max_seqlen_q, DELTA_BLOCK_M), num_heads_q, batch)
+    if has_q:
+        grid = (triton.cdiv(shape.max_seqlen_q, DELTA_BLOCK_M), shape.heads_q, shape.batch)
         _bwd_delta_kernel[grid](
-            out, dout, delta, cu_seqlens_q, *_seq_strides(out, varlen),
-            *_seq_strides(dout, varlen), *lse_strides, seqlen_q,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=DELTA_BLOCK_M, IS_VARLEN=varlen)
+            out, dout, delta, cu_seqlens_q, *shape.seq_strides(out), *shape.seq_strides(dout),
+            *shape.lse_strides(lse), shape.seqlen_q, HEAD_DIM=flags["HEAD_DIM"],
+            BLOCK_D=flags["BLOCK_D"], BLOCK_M=DELTA_BLOCK_M, IS_VARLEN=shape.varlen)
 
-    qk_scale, softcap_log2 = score_constants(params.softmax_scale, params.softcap)
-    threshold, seed_lo, seed_hi = dropout_constants(params.dropout_p, params.seed)
-    alibi_batch_stride = 0
-    if alibi_slopes is not None and alibi_slopes.dim() == 2:
-        alibi_batch_stride = alibi_slopes.stride(0)
-    common = (*_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
-              *_seq_strides(dout, varlen))
-    scalars = (*lse_strides, alibi_batch_stride, seqlen_q, seqlen_k, num_heads_q,
-               params.softmax_scale, qk_scale, softcap_log2, params.window_left,
-               params.window_right, threshold, seed_lo, seed_hi,
-               1.0 / (1.0 - params.dropout_p))
-    flags = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=num_heads_q // num_heads_kv,
-                 IS_VARLEN=varlen, HAS_WINDOW_LEFT=params.window_left >= 0,
-                 HAS_WINDOW_RIGHT=params.window_right >= 0, SOFTCAP=params.softcap > 0,
-                 HAS_ALIBI=alibi_slopes is not None, DROPOUT=params.dropout_p > 0)
-
-    if batch > 0 and max_seqlen_k > 0:
-        grid = (triton.cdiv(max_seqlen_k, cfg.dkdv_block_n), num_heads_kv, batch)
+    strides = (*shape.seq_strides(q), *shape.seq_strides(k), *shape.seq_strides(v),
+               *shape.seq_strides(dout))
+    scalars.update(softmax_scale=params.softmax_scale)
+    if has_k:
+        grid = (triton.cdiv(shape.max_seqlen_k, cfg.dkdv_block_n), shape.heads_kv, shape.batch)
         _bwd_dkdv_kernel[grid](
             q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-            *common, *_seq_strides(dk, varlen), *scalars,
-            BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps,
-            num_stages=cfg.dkdv_stages, **flags)
-    if batch > 0 and max_seqlen_q > 0:
-        grid = (triton.cdiv(max_seqlen_q, cfg.dq_block_m), num_heads_q, batch)
+            *strides, *shape.seq_strides(dk), *shape.lse_strides(lse), **scalars,
+            BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
+            TMA=use_tma(cfg.dkdv_tma, q.device, shape, q, k, v, dout),
+            num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **flags)
+    if has_q:
+        grid = (triton.cdiv(shape.max_seqlen_q, cfg.dq_block_m), shape.heads_q, shape.batch)
         _bwd_dq_kernel[grid](
             q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-            *common, *_seq_strides(dq, varlen), *scalars,
-            BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, num_warps=cfg.dq_warps,
-            num_stages=cfg.dq_stages, **flags)
+            *strides, *shape.seq_strides(dq), *shape.lse_strides(lse), **scalars,
+            BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
+            TMA=use_tma(cfg.dq_tma, q.device, shape, q, k, v, dout),
+            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, **flags)
     if ds_aux is not None:
-        ds_aux.copy_(_sink_gradient(s_aux, lse, delta, varlen))
+        ds_aux.copy_(_sink_gradient(s_aux, lse, delta, shape.varlen))

@@ -13,14 +13,26 @@ scores, so when SOFTCAP is on we undo the fold inside the hook; ALiBi slopes are
 multiplied by log2(e) once per program. The same hooks run in forward and
 backward, so both see bitwise the same scores.
 
-Helpers: ``scores_log2`` (the score hook: scale, softcap, ALiBi) with its host-side
-``score_constants``; ``visible`` (the band mask); ``key_block_range`` (which key blocks a query
-block sees, split into unmasked interior and masked edges); ``dropout_row_hash``/``dropout_keep``
-with host-side ``dropout_constants``; ``tanh``; ``LOG2E`` (a constexpr).
+Kernel helpers: ``scores_log2`` (the score hook: scale, softcap, ALiBi) with its host-side
+``score_constants``; ``visible`` (the band mask, either tile orientation); ``key_block_range`` /
+``query_block_range`` (which key blocks a query block sees, and the mirror, split into unmasked
+interior and masked edges); ``safe_lse_log2`` (LSE for recomputing P);
+``dropout_row_hash``/``dropout_keep`` with host-side ``dropout_constants``; ``tanh``; ``LOG2E``
+(a constexpr). Launcher helpers: ``LaunchShape`` (sizes and strides of a call) and
+``shared_arguments`` (the scalars and constexpr flags every kernel takes by the same name).
 """
 
+import dataclasses
+import functools
+import logging
+
+import torch
 import triton
 import triton.language as tl
+
+from ._tuning import block_d_for
+
+logger = logging.getLogger("flash_attn")
 
 # A constexpr: compiled kernels may read only constexpr globals (the interpreter does not check
 # this). Host code uses ``LOG2E.value``.
@@ -55,15 +67,17 @@ def dropout_keep(row_hash, cols, threshold):
 
 
 @triton.jit
-def visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right,
+def visible(rows2, cols2, seqlen_q, seqlen_k, window_left, window_right,
             HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) visibility of key ``cols`` from query ``rows``, bounds included."""
-    diag = rows[:, None] + (seqlen_k - seqlen_q)
-    ok = (cols[None, :] < seqlen_k) & (rows[:, None] < seqlen_q)
+    """Visibility of key ``cols2`` from query ``rows2``, sequence bounds included. The indices
+    arrive broadcast to 2-D in either orientation (``rows[:, None], cols[None, :]`` for an
+    (M, N) tile, ``rows[None, :], cols[:, None]`` for the transposed (N, M) tile)."""
+    diag2 = rows2 + (seqlen_k - seqlen_q)
+    ok = (cols2 < seqlen_k) & (rows2 < seqlen_q)
     if HAS_WINDOW_LEFT:
-        ok = ok & (cols[None, :] >= diag - window_left)
+        ok = ok & (cols2 >= diag2 - window_left)
     if HAS_WINDOW_RIGHT:
-        ok = ok & (cols[None, :] <= diag + window_right)
+        ok = ok & (cols2 <= diag2 + window_right)
     return ok
 
 
@@ -93,21 +107,31 @@ def tanh(x):
 
 
 @triton.jit
-def scores_log2(qk, rows, cols, diag, qk_scale, softcap_log2, alibi_slope_log2,
+def scores_log2(qk, rows2, cols2, diag, qk_scale, softcap_log2, alibi_slope_log2,
                 SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
-    """Score hook: raw fp32 ``qk = q.k`` tile -> scores in log2 units (before masking).
+    """Score hook: raw fp32 ``qk = q.k`` tile -> ``(s2, t)``, scores in log2 units (before
+    masking) and, with SOFTCAP, ``t = tanh(qk * scale / softcap)`` for the backward's chain rule
+    ``1 - t^2`` (otherwise ``t`` is ``s2``; the forward drops it).
 
-    ``rows``/``cols`` are sequence-local indices, ``diag = Sk - Sq``, the constants come from
-    :func:`score_constants` and ``alibi_slope_log2 = slope * log2(e)``. With SOFTCAP the result
-    is ``softcap_log2 * t`` with ``t = tanh(qk * scale / softcap)``, so a backward recovers
-    ``t = s / softcap_log2`` for the chain rule ``1 - t^2`` (before ALiBi is subtracted)."""
+    ``rows2``/``cols2`` are sequence-local indices broadcast to 2-D as for :func:`visible`,
+    ``diag = Sk - Sq``, the constants come from :func:`score_constants` and
+    ``alibi_slope_log2 = slope * log2(e)``. With SOFTCAP ``s2 = softcap_log2 * t`` (ALiBi is
+    subtracted after)."""
     s = qk * qk_scale
+    t = s
     if SOFTCAP:
-        s = softcap_log2 * tanh(s)
+        t = tanh(s)
+        s = softcap_log2 * t
     if HAS_ALIBI:
-        dist = tl.abs(rows[:, None] + diag - cols[None, :]).to(tl.float32)
-        s = s - alibi_slope_log2 * dist
-    return s
+        s = s - alibi_slope_log2 * tl.abs(rows2 + diag - cols2).to(tl.float32)
+    return s, t
+
+
+@triton.jit
+def safe_lse_log2(lse):
+    """LSE (natural) -> log2 units for ``P = exp2(s2 - lse2)``; -inf (a row that sees no key)
+    -> +inf, so that P = 0 there for finite and masked scores alike, never NaN."""
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
 
 
 @triton.jit
@@ -140,3 +164,231 @@ def key_block_range(m_first, m_last, seqlen_q, seqlen_k, window_left, window_rig
     full_lo = tl.minimum(tl.maximum(tl.cdiv(full_first_key, BLOCK_N), lo), hi)
     full_hi = tl.minimum(tl.maximum(full_end_key // BLOCK_N, full_lo), hi)
     return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def query_block_range(n_first, n_last, seqlen_q, seqlen_k, window_left, window_right,
+                      BLOCK_M: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
+                      HAS_WINDOW_RIGHT: tl.constexpr):
+    """The mirror of :func:`key_block_range`: query blocks (index ``m`` covers rows
+    ``[m * BLOCK_M, (m + 1) * BLOCK_M)``) that keys ``n_first..n_last`` (valid, sequence-local)
+    are visible to, as ``(lo, full_lo, full_hi, hi)``; ``[full_lo, full_hi)`` see every one of
+    the keys and lie inside ``seqlen_q`` (no mask). Row ``i`` sees key ``j`` iff
+    ``j - diag - right <= i <= j - diag + left``; every integer division sees non-negative
+    operands."""
+    diag = seqlen_k - seqlen_q
+    if HAS_WINDOW_RIGHT:
+        first_row = tl.maximum(n_first - diag - window_right, 0)
+        full_first_row = tl.maximum(n_last - diag - window_right, 0)
+    else:
+        first_row = 0
+        full_first_row = 0
+    if HAS_WINDOW_LEFT:
+        end_row = tl.maximum(tl.minimum(n_last - diag + window_left + 1, seqlen_q), 0)
+        full_end_row = tl.maximum(tl.minimum(n_first - diag + window_left + 1, seqlen_q), 0)
+    else:
+        end_row = seqlen_q
+        full_end_row = seqlen_q
+    lo = first_row // BLOCK_M
+    hi = tl.maximum(tl.cdiv(end_row, BLOCK_M), lo)
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(full_first_row, BLOCK_M), lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_end_row // BLOCK_M, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile loads: one (rows, HEAD_DIM) matrix per (sequence, head), read BLOCK_R rows at a time,
+# through a tensor descriptor (TMA on Hopper) or through pointers. [Note: TMA] The descriptor
+# carries the matrix's bounds, so its loads zero-fill rows past ``n_rows`` and columns past
+# HEAD_DIM and its stores clip them: masks are the pointer path's alone. It needs a 16-byte
+# aligned base and row stride (``LaunchShape.tma_ok``) and, compiled, a global scratch for the
+# descriptor (``ensure_tma_allocator``); the interpreter runs it on CPU tensors too.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def rows_source(base, n_rows, stride, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """What :func:`load_rows` reads: with TMA a descriptor of the (n_rows, HEAD_DIM) matrix at
+    ``base`` (row stride ``stride``) in (BLOCK_R, BLOCK_D) blocks, else ``base`` itself."""
+    if TMA:
+        src = tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[stride, 1],
+                                        block_shape=[BLOCK_R, BLOCK_D])
+    else:
+        src = base
+    return src
+
+
+@triton.jit
+def load_rows(src, row0, stride, n_rows, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr, TMA: tl.constexpr):
+    """Rows ``row0 .. row0 + BLOCK_R`` as a (BLOCK_R, BLOCK_D) tile, zeros outside the matrix.
+    The pointer path checks rows against ``n_rows`` only when MASK_ROWS (interior blocks lie
+    inside the sequence) and columns only when BLOCK_D is wider than HEAD_DIM."""
+    if TMA:
+        tile = src.load([row0, 0])
+    else:
+        offs_r = tl.arange(0, BLOCK_R)
+        offs_d = tl.arange(0, BLOCK_D)
+        ptrs = src + row0.to(tl.int64) * stride + offs_r[:, None] * stride + offs_d[None, :]
+        if MASK_ROWS:
+            ok = ((row0 + offs_r) < n_rows)[:, None] & (offs_d < HEAD_DIM)[None, :]
+            tile = tl.load(ptrs, mask=ok, other=0.0)
+        elif BLOCK_D == HEAD_DIM:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def load_rows_t(src, row0, stride, n_rows, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr, TMA: tl.constexpr):
+    """:func:`load_rows` transposed, (BLOCK_D, BLOCK_R): the B operand of ``q @ k^T``. TMA
+    loads the row tile and transposes it in shared memory; pointers read it transposed."""
+    if TMA:
+        tile = tl.trans(src.load([row0, 0]))
+    else:
+        offs_r = tl.arange(0, BLOCK_R)
+        offs_d = tl.arange(0, BLOCK_D)
+        ptrs = src + row0.to(tl.int64) * stride + offs_r[None, :] * stride + offs_d[:, None]
+        if MASK_ROWS:
+            ok = (offs_d < HEAD_DIM)[:, None] & ((row0 + offs_r) < n_rows)[None, :]
+            tile = tl.load(ptrs, mask=ok, other=0.0)
+        elif BLOCK_D == HEAD_DIM:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=(offs_d < HEAD_DIM)[:, None], other=0.0)
+    return tile
+
+
+@triton.jit
+def store_rows(dst, row0, stride, n_rows, tile, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """Store a (BLOCK_R, BLOCK_D) tile at rows ``row0..``; nothing outside the matrix."""
+    if TMA:
+        dst.store([row0, 0], tile)
+    else:
+        offs_r = tl.arange(0, BLOCK_R)
+        offs_d = tl.arange(0, BLOCK_D)
+        ptrs = dst + row0.to(tl.int64) * stride + offs_r[:, None] * stride + offs_d[None, :]
+        ok = ((row0 + offs_r) < n_rows)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        tl.store(ptrs, tile, mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side of the launchers: sizes, strides and the scalar/flag arguments every kernel shares.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchShape:
+    """Sizes of one call. Batched: ``seqlen_q/k`` are the (only) lengths; varlen: they are 0
+    and each program reads its sequence's from cu_seqlens, ``max_seqlen_q/k`` sizing the grid."""
+    varlen: bool
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, q, k, cu_seqlens_q, params) -> "LaunchShape":
+        varlen = cu_seqlens_q is not None
+        if varlen:
+            batch, seqlen_q, seqlen_k = cu_seqlens_q.numel() - 1, 0, 0
+            max_q, max_k = params.max_seqlen_q, params.max_seqlen_k
+        else:
+            batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+            max_q, max_k = seqlen_q, seqlen_k
+        return cls(varlen, batch, seqlen_q, seqlen_k, max_q, max_k, q.shape[-2], k.shape[-2],
+                   q.shape[-1])
+
+    @property
+    def longest(self) -> int:
+        """The sequence length that picks the tuning bucket."""
+        return max(self.max_seqlen_q, self.max_seqlen_k)
+
+    def seq_strides(self, t) -> tuple[int, int, int]:
+        """(batch, sequence, head) strides of a (B, S, H, D) or varlen (T, H, D) tensor."""
+        return (0, t.stride(0), t.stride(1)) if self.varlen else (t.stride(0), t.stride(1),
+                                                                    t.stride(2))
+
+    def lse_strides(self, t) -> tuple[int, int, int]:
+        """(batch, head, row) strides of a (B, Hq, Sq) or varlen (Hq, Tq) tensor."""
+        return self.seq_strides(t)  # the same positions: batch first, then two inner dims
+
+    def tma_ok(self, *tensors) -> bool:
+        """Whether tensor descriptors can read these (B, S, H, D) / (T, H, D) tensors: every
+        (sequence, head) matrix must start 16-byte aligned and have a positive 16-byte aligned
+        row stride (varlen slices and odd strides often do not: they take the pointer path)."""
+        for t in tensors:
+            size = t.element_size()
+            strides = self.seq_strides(t)
+            if (t.data_ptr() % 16 or t.stride(-1) != 1 or strides[1] <= 0
+                    or any(x * size % 16 for x in strides)):
+                return False
+        return True
+
+
+def _tma_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_tma_allocator() -> None:
+    """Compiled kernels that build tensor descriptors on the device write them to a global
+    scratch Triton asks an allocator for at launch. Set ours unless one is set already; Triton
+    keeps it in a ContextVar, so each thread needs its own (hence a check per launch, not one
+    at import, which must not touch CUDA)."""
+    from triton.runtime import _allocation
+    current = getattr(_allocation, "_allocator", None)
+    null = getattr(_allocation, "NullAllocator", None)
+    if current is None or null is None or isinstance(current.get(), null):
+        triton.set_allocator(_tma_scratch)
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logger.info(message)
+
+
+def use_tma(requested: bool, device, shape: LaunchShape, *tensors) -> bool:
+    """A config's ``tma`` field, granted where tensor descriptors work: Hopper or newer (or the
+    interpreter) and aligned tensors; a refusal is logged once per reason."""
+    if not requested:
+        return False
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        _log_once("flash_attn Triton: tensor descriptors need sm90+; using the pointer path")
+        return False
+    if not shape.tma_ok(*tensors):
+        _log_once("flash_attn Triton: tensors not 16-byte aligned for tensor descriptors; "
+                  "using the pointer path")
+        return False
+    if device.type == "cuda":
+        ensure_tma_allocator()
+    return True
+
+
+def shared_arguments(shape: LaunchShape, params, alibi_slopes) -> tuple[dict, dict]:
+    """``(scalars, flags)``: the runtime arguments and the constexpr flags that the forward and
+    backward kernels take under the same names, passed as keywords."""
+    qk_scale, softcap_log2 = score_constants(params.softmax_scale, params.softcap)
+    threshold, seed_lo, seed_hi = dropout_constants(params.dropout_p, params.seed)
+    alibi_batch_stride = 0
+    if alibi_slopes is not None and alibi_slopes.dim() == 2:
+        alibi_batch_stride = alibi_slopes.stride(0)
+    scalars = dict(stride_ab=alibi_batch_stride, seqlen_q_batched=shape.seqlen_q,
+                   seqlen_k_batched=shape.seqlen_k, num_heads_q=shape.heads_q,
+                   qk_scale=qk_scale, softcap_log2=softcap_log2,
+                   window_left=params.window_left, window_right=params.window_right,
+                   threshold=threshold, seed_lo=seed_lo, seed_hi=seed_hi,
+                   dropout_rescale=1.0 / (1.0 - params.dropout_p))
+    flags = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d_for(shape.head_dim),
+                 GROUP=shape.heads_q // shape.heads_kv, IS_VARLEN=shape.varlen,
+                 HAS_WINDOW_LEFT=params.window_left >= 0,
+                 HAS_WINDOW_RIGHT=params.window_right >= 0, SOFTCAP=params.softcap > 0,
+                 HAS_ALIBI=alibi_slopes is not None, DROPOUT=params.dropout_p > 0)
+    return scalars, flags

@@ -1,0 +1,211 @@
+"""The candidate loop shared by tune_triton_fwd.py and tune_triton_bwd.py (GPU only).
+
+A script describes its kernel (the package module, the config dataclass, candidate values per
+config field, a correctness check and the timed workloads); this module does the rest: command
+line, search, timing, the long-format log, the tuning file and the summary table.
+
+Search: ``--quick`` walks the fields one at a time from the table's default (coordinate descent:
+each field takes its best value before the next is tried, so the cost is the sum of the value
+counts, not their product) and, unless told otherwise, tunes only D=128 at S=4096, the anchor
+configuration. Without ``--quick`` every combination of the candidate values is timed.
+
+Timing: ``triton.testing.do_bench`` median after warm-up, bf16, fresh random inputs, 16k tokens
+per batch (ANCHORS.md). A candidate's score is the geometric mean of its TFLOP/s over the
+workloads (causal and non-causal). A candidate is first checked against the float64 reference;
+one that fails, or does not compile (shared memory, registers), is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib
+import itertools
+import json
+import math
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "torch-ext" / "flash_attn"
+sys.path.insert(0, str(REPO / "tests"))
+
+TOKENS = 16384  # per batch: B = TOKENS // S (ANCHORS.md)
+
+
+def load(*names: str) -> list[types.ModuleType]:
+    """Modules of the package straight from the source tree (no build, no ``_ops``)."""
+    if "flash_attn_tune" not in sys.modules:
+        package = types.ModuleType("flash_attn_tune")
+        package.__path__ = [str(PACKAGE)]
+        sys.modules["flash_attn_tune"] = package
+    return [importlib.import_module(f"flash_attn_tune.{name}") for name in names]
+
+
+def parse_args(doc: str, head_dims: list[int]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=None,
+                        help=f"default {head_dims}; with --quick 128")
+    parser.add_argument("--seqlens", type=int, nargs="+", default=None,
+                        help="sequence lengths, one tuning-file bucket each; default 1024 4096 "
+                             "16384, with --quick 4096")
+    parser.add_argument("--quick", action="store_true",
+                        help="coordinate descent instead of every combination (< 4 min)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="tuning file to merge into (default: the package's)")
+    args = parser.parse_args()
+    args.head_dims = args.head_dims or ([128] if args.quick else head_dims)
+    args.seqlens = args.seqlens or ([4096] if args.quick else [1024, 4096, 16384])
+    return args
+
+
+def candidates(base, space: dict[str, tuple]) -> list:
+    """Every combination of ``space`` (field -> values) applied to ``base``."""
+    return [dataclasses.replace(base, **dict(zip(space, values)))
+            for values in itertools.product(*space.values())]
+
+
+def search(base, space: dict[str, tuple], score: Callable, quick: bool):
+    """The best-scoring config: coordinate descent from ``base`` when ``quick``, else exhaustive.
+    ``score(config)`` returns a number or None (failed); ``base`` wins when nothing runs."""
+    scored = {}
+
+    def value(config):
+        key = dataclasses.replace(config, reason="")
+        if key not in scored:
+            scored[key] = score(config)
+        return scored[key]
+
+    best = base
+    if quick:
+        for field, values in space.items():
+            options = [dataclasses.replace(best, **{field: v}) for v in values]
+            results = [(value(c), c) for c in [best, *options]]
+            results = [(s, c) for s, c in results if s is not None]
+            if results:
+                best = max(results, key=lambda sc: sc[0])[1]
+        return best
+    results = [(value(c), c) for c in [base, *candidates(base, space)]]
+    results = [(s, c) for s, c in results if s is not None]
+    return max(results, key=lambda sc: sc[0])[1] if results else base
+
+
+@dataclasses.dataclass
+class Workload:
+    """One timed call: ``run(config)`` launches the kernels, ``flops`` counts as ANCHORS.md."""
+    label: str  # "full" | "causal"
+    run: Callable
+    flops: float
+    shape: dict
+
+
+def short(config) -> str:
+    """A config without its reason, compact: ``block_m=128 block_n=64 ...``."""
+    fields = dataclasses.asdict(config)
+    fields.pop("reason", None)
+    return " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in fields.items())
+
+
+class Session:
+    """Timing, logging and the tuning file of one script run."""
+
+    def __init__(self, script: str, tuning, table):
+        import triton
+        from triton.testing import do_bench
+
+        self._do_bench = do_bench
+        self.script, self.tuning, self.table = script, tuning, table
+        self.gpu = torch.cuda.get_device_name()
+        self.stamp = datetime.date.today().isoformat()
+        self.versions = f"torch {torch.__version__}, triton {triton.__version__}"
+        out = os.environ.get("OUT")
+        self.log = Path(out) / f"{script}.jsonl" if out else None
+        self.entries: list[dict] = []
+        self.summary: list[tuple] = []
+
+    def measure(self, config, check: Callable, workloads: list[Workload], tag: str = ""):
+        """``(geo-mean TFLOP/s, {label: TFLOP/s})`` of ``config``, or None if it fails."""
+        name = f"{tag} {short(config)}".strip()
+        try:
+            if not check(config):
+                print(f"{name}: WRONG RESULT, skipped", flush=True)
+                return None
+            rates = {}
+            for work in workloads:
+                ms = self._do_bench(lambda: work.run(config), warmup=25, rep=100,
+                                    return_mode="median")
+                rates[work.label] = work.flops / ms * 1e-9
+                if self.log:
+                    with self.log.open("a") as log:
+                        log.write(json.dumps(dict(
+                            provider="ours-triton", mode=self.table.kernel, config=short(config),
+                            mask=work.label, ms=ms, tflops=rates[work.label], gpu=self.gpu,
+                            versions=self.versions, **work.shape)) + "\n")
+        except Exception as err:  # out of shared memory / registers: not a candidate
+            print(f"{name}: failed ({type(err).__name__}: {err})"[:240], flush=True)
+            return None
+        score = math.exp(sum(math.log(r) for r in rates.values()) / len(rates))
+        print(f"{name}: " + " / ".join(f"{r:.0f}" for r in rates.values())
+              + f" TFLOP/s ({' / '.join(rates)})", flush=True)
+        return score, rates
+
+    def record(self, *, block_d: int, seqlen: int, shape: str, best, default, result,
+               default_result):
+        """Keep ``best`` for (this GPU, block_d, bucket of seqlen) with its measured reason;
+        ``default`` is the in-code table's config and ``default_result`` its measurement."""
+        score, rates = result
+        versus = ""
+        if default_result and short(best) != short(default):
+            versus = f"; table default {short(default)}: {default_result[0]:.0f}"
+        reason = (f"measured {self.stamp} on {self.gpu} ({self.versions}): bf16 {shape}, "
+                  + ", ".join(f"{lab} {r:.0f}" for lab, r in rates.items())
+                  + f" TFLOP/s, geo-mean {score:.0f}{versus}")
+        bucket = self.tuning.seqlen_bucket(seqlen)
+        config = dataclasses.replace(best, reason=reason)
+        self.entries.append(self.tuning.entry_of(config, gpu=self.gpu, block_d=block_d,
+                                                 bucket=bucket))
+        base = default_result[0] if default_result else float("nan")
+        self.summary.append((block_d, seqlen, short(best), rates, score, base))
+
+    def finish(self, out: Path | None) -> int:
+        target = out or self.table.path
+        if self.entries:
+            self.tuning.write_entries(target, self.table.kernel, self.entries)
+            print(f"wrote {len(self.entries)} entries to {target}")
+            if os.environ.get("OUT") and Path(os.environ["OUT"]) not in target.parents:
+                Path(os.environ["OUT"], target.name).write_text(target.read_text())
+        print(f"\n{self.table.kernel} on {self.gpu}: TFLOP/s of the best config "
+              "(geo-mean vs the table default)")
+        print(f"{'D':>4} {'S':>6}  {'full':>5} {'causal':>6} {'geo':>5} {'default':>7} "
+              f"{'gain':>5}  config")
+        for block_d, seqlen, config, rates, score, base in self.summary:
+            gain = score / base if base == base else float("nan")
+            print(f"{block_d:>4} {seqlen:>6}  {rates.get('full', 0):>5.0f} "
+                  f"{rates.get('causal', 0):>6.0f} {score:>5.0f} {base:>7.0f} {gain:>5.2f}x  "
+                  f"{config}")
+        return 0 if self.entries else 1
+
+
+def hopper_fields(*names: str) -> dict[str, tuple]:
+    """``{name: (False, True)}`` on sm90 or newer (tensor descriptors), else nothing."""
+    return {n: (False, True) for n in names} if torch.cuda.get_device_capability()[0] >= 9 \
+        else {}
+
+
+def blackwell_fields(*names: str) -> dict[str, tuple]:
+    """``{name: (False, True)}`` on sm100 or newer, else nothing."""
+    return {n: (False, True) for n in names} if torch.cuda.get_device_capability()[0] >= 10 \
+        else {}
+
+
+def require_gpu(script: str) -> bool:
+    if torch.cuda.is_available():
+        return True
+    print(f"{script} needs a CUDA GPU", file=sys.stderr)
+    return False

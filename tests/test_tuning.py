@@ -1,0 +1,144 @@
+"""The tile tables of the Triton kernels (`_tuning`): buckets, lookup order, the shipped JSON
+files, and the search of the tuning scripts (`benchmarks/_tune_common.py`). No kernel runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE_PACKAGE = REPO / "torch-ext" / "flash_attn"
+
+
+def _source_package():
+    name = "flash_attn_source"
+    if name not in sys.modules:
+        package = types.ModuleType(name)
+        package.__path__ = [str(SOURCE_PACKAGE)]
+        sys.modules[name] = package
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def tuning():
+    return importlib.import_module(_source_package().__name__ + "._tuning")
+
+
+@pytest.fixture(scope="module", params=["_triton_fwd", "_triton_bwd"])
+def kernel_module(request):
+    return importlib.import_module(_source_package().__name__ + "." + request.param)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    block_m: int
+    block_n: int
+    tma: bool = False
+    reason: str = ""
+
+
+def test_buckets(tuning):
+    assert [tuning.block_d_for(d) for d in (1, 8, 16, 17, 40, 64, 96, 128, 200, 256)] == \
+        [16, 16, 16, 32, 64, 64, 128, 128, 256, 256]
+    assert [tuning.seqlen_bucket(s) for s in (0, 1, 1024, 1025, 4096, 8192, 16384, 10 ** 6)] == \
+        [1024, 1024, 1024, 4096, 4096, 16384, 16384, 16384]
+
+
+def test_lookup_order(tuning, tmp_path):
+    """Exact (gpu, block_d, bucket), then the nearest bucket of that GPU and block_d, then the
+    in-code default of the arch; other GPUs' entries are never used."""
+    path = tmp_path / "t.json"
+    entries = [tuning.entry_of(Tiles(64, 32, True, "m1"), gpu="G", block_d=128, bucket=1024),
+               tuning.entry_of(Tiles(128, 64, False, "m16"), gpu="G", block_d=128, bucket=16384)]
+    tuning.write_entries(path, "forward", entries)
+    defaults = {("sm90", 128): Tiles(16, 16, False, "default"),
+                ("sm90", 64): Tiles(32, 32, False, "default64")}
+    table = tuning.TileTable("forward", path, defaults, Tiles)
+    assert table.lookup("sm90", "G", 128, 1024).reason == "m1"
+    assert table.lookup("sm90", "G", 128, 16384).reason == "m16"
+    assert table.lookup("sm90", "G", 128, 4096).reason == "m16"  # log-distance tie: longer
+    assert table.lookup("sm90", "G", 64, 4096).reason == "default64"
+    assert table.lookup("sm90", "other GPU", 128, 1024).reason == "default"
+    assert table.lookup("sm90", "", 128, 1024).reason == "default"
+
+
+def test_write_merges_and_parse_skips_unknown_fields(tuning, tmp_path):
+    path = tmp_path / "t.json"
+    tuning.write_entries(path, "backward", [
+        tuning.entry_of(Tiles(64, 32), gpu="A", block_d=64, bucket=4096),
+        tuning.entry_of(Tiles(64, 64), gpu="B", block_d=64, bucket=4096)])
+    tuning.write_entries(path, "backward", [
+        tuning.entry_of(Tiles(16, 16), gpu="A", block_d=64, bucket=4096)])
+    raw = json.loads(path.read_text())
+    assert raw["kernel"] == "backward" and len(raw["entries"]) == 2
+    raw["entries"].append(dict(gpu="C", block_d=64, seqlen_bucket=4096, block_m=1, block_n=1,
+                               future_field=3))
+    raw["entries"].append(dict(gpu="D", block_d=64, block_m=1, block_n=1))  # no bucket
+    del raw["entries"][0]["tma"]  # written before the field existed: its default
+    parsed = tuning.parse_entries(raw, Tiles)
+    assert set(parsed) == {("A", 64, 4096), ("B", 64, 4096)}
+    assert parsed[("A", 64, 4096)] == Tiles(16, 16)
+
+
+def test_shipped_tables_and_files(tuning, kernel_module):
+    """Every (arch, BLOCK_D) the launcher can ask for has a default; the JSON beside the module
+    parses, names this module's kernel and has only valid entries."""
+    table = kernel_module.TABLE
+    for arch in ("sm90", "sm80", "generic", "interpreter"):
+        for block_d in tuning.HEAD_DIM_BUCKETS:
+            config = table.defaults[(arch, block_d)]
+            assert isinstance(config, table.config_type) and config.reason, (arch, block_d)
+    assert table.path.parent == SOURCE_PACKAGE and table.path.suffix == ".json"
+    if table.path.exists():
+        raw = json.loads(table.path.read_text())
+        assert raw["kernel"] == table.kernel
+        assert len(tuning.parse_entries(raw, table.config_type)) == len(raw["entries"])
+        for entry in raw["entries"]:
+            assert entry["block_d"] in tuning.HEAD_DIM_BUCKETS
+            assert entry["seqlen_bucket"] in tuning.SEQLEN_BUCKETS
+            assert entry["reason"].startswith("measured"), entry
+
+
+def test_cpu_call_uses_interpreter_tiles(kernel_module):
+    table = kernel_module.TABLE
+    assert kernel_module.tile_config(128, torch.device("cpu"), 4096) is \
+        table.defaults[("interpreter", 128)]
+
+
+def _tune_common():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        return importlib.import_module("_tune_common")
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+
+def test_search_quick_and_exhaustive():
+    tc = _tune_common()
+    space = dict(block_m=(16, 32, 64), block_n=(16, 32), tma=(False, True))
+    best_at = Tiles(32, 32, True)
+    calls = []
+
+    def score(config):
+        calls.append(config)
+        if config.block_m == 64:
+            return None  # does not compile
+        return 10 - abs(config.block_m - 32) / 16 - abs(config.block_n - 32) / 16 \
+            + config.tma
+
+    base = Tiles(16, 16, False, "table")
+    quick = tc.search(base, space, score, quick=True)
+    assert dataclasses.replace(quick, reason="") == best_at and quick.reason == "table"
+    assert len(calls) == 1 + 2 + 1 + 1  # base, then each field's other values, cached
+    calls.clear()
+    full = tc.search(base, space, score, quick=False)
+    assert dataclasses.replace(full, reason="") == best_at
+    assert len(calls) == 3 * 2 * 2  # base is one of the combinations
+    assert tc.search(base, dict(block_m=(64,)), lambda c: None, quick=False) is base

@@ -1,0 +1,153 @@
+"""Tile configurations of the Triton kernels: in-code defaults, measured overrides in JSON.
+
+Each kernel module (``_triton_fwd``, ``_triton_bwd``) owns one :class:`TileTable`:
+
+* ``defaults``: the in-code table keyed by ``(arch, block_d)``, arch one of ``sm90``, ``sm80``,
+  ``generic`` (another CUDA GPU) or ``interpreter`` (CPU tensors under ``TRITON_INTERPRET=1``),
+  each entry with the reason it was chosen;
+* a JSON file beside the module (``triton_fwd_configs.json``, ``triton_bwd_configs.json``,
+  shipped through build.toml's ``pyext``), written on a GPU by ``benchmarks/tune_triton_*.py``,
+  whose entries are keyed by the GPU's name (``torch.cuda.get_device_name``), the head-dim
+  bucket ``block_d`` and a sequence-length bucket.
+
+File format (one flat object per entry; config fields absent from an entry take the dataclass
+defaults, so a file written before a field existed stays valid)::
+
+    {"kernel": "forward",
+     "entries": [{"gpu": "NVIDIA H200", "block_d": 128, "seqlen_bucket": 4096,
+                  "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3,
+                  "reason": "measured 2026-12-02 ..."}]}
+
+Lookup for a call (head dim, longer of max_seqlen_q / max_seqlen_k, device): the file's entry
+for (gpu, block_d, bucket); else the file's entry for (gpu, block_d) at the nearest bucket it
+holds; else ``defaults[(arch, block_d)]``. The file is read once per process and each lookup
+is cached, so a call costs two dictionary hits; nothing is timed at import or on a first call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("flash_attn")
+
+HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256)
+# Upper bounds of the sequence-length buckets (the last is open-ended): the standard grid of
+# benchmarks (512..16k) splits into short (<= 1k: few programs per head, small tiles can win),
+# medium and long.
+SEQLEN_BUCKETS = (1024, 4096, 16384)
+KEY_FIELDS = ("gpu", "block_d", "seqlen_bucket")
+
+
+def block_d_for(head_dim: int) -> int:
+    """The padded tile width, also the head-dim bucket: ``max(16, next_pow2(head_dim))``."""
+    return max(16, 1 << max(0, head_dim - 1).bit_length())
+
+
+def seqlen_bucket(seqlen: int) -> int:
+    """The smallest bucket bound ``>= seqlen``; longer sequences fall into the last bucket."""
+    return next((b for b in SEQLEN_BUCKETS if seqlen <= b), SEQLEN_BUCKETS[-1])
+
+
+@functools.cache
+def _cuda_identity(index: int) -> tuple[str, str]:
+    major, _ = torch.cuda.get_device_capability(index)
+    return {9: "sm90", 8: "sm80"}.get(major, "generic"), torch.cuda.get_device_name(index)
+
+
+def device_identity(device: torch.device) -> tuple[str, str]:
+    """``(arch, gpu name)`` of a tensor's device; CPU tensors run under the interpreter."""
+    if device.type != "cuda":
+        return "interpreter", ""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_identity(index)
+
+
+def arch_of(device: torch.device) -> str:
+    return device_identity(device)[0]
+
+
+def _config_fields(config_type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(config_type))
+
+
+def entry_of(config, *, gpu: str, block_d: int, bucket: int) -> dict[str, Any]:
+    """The JSON entry recording ``config`` (a config dataclass) for one key."""
+    return dict(gpu=gpu, block_d=block_d, seqlen_bucket=bucket, **dataclasses.asdict(config))
+
+
+def parse_entries(raw: dict, config_type, source: str = "<json>") -> dict:
+    """``{(gpu, block_d, seqlen_bucket): config}`` from a file's parsed JSON. An entry with an
+    unknown field or a missing key is skipped with a warning (a newer or broken file must not
+    stop a user's call)."""
+    fields = set(_config_fields(config_type))
+    parsed = {}
+    for entry in raw.get("entries", []):
+        unknown = set(entry) - fields - set(KEY_FIELDS)
+        if unknown or not all(k in entry for k in KEY_FIELDS):
+            logger.warning("%s: skipping tile entry %s (unknown fields %s or missing key)",
+                           source, {k: entry.get(k) for k in KEY_FIELDS}, sorted(unknown))
+            continue
+        key = (str(entry["gpu"]), int(entry["block_d"]), int(entry["seqlen_bucket"]))
+        parsed[key] = config_type(**{k: v for k, v in entry.items() if k in fields})
+    return parsed
+
+
+@functools.cache
+def _measured(path: Path, config_type) -> dict:
+    """The file's entries, read once per process (absent file: none)."""
+    if not path.exists():
+        return {}
+    entries = parse_entries(json.loads(path.read_text()), config_type, path.name)
+    logger.info("Triton tiles: %d measured entries from %s", len(entries), path.name)
+    return entries
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TileTable:
+    """The tile table of one kernel module: ``defaults`` keyed by ``(arch, block_d)`` plus the
+    measured entries of the JSON file at ``path``; ``config_type`` is the entry dataclass."""
+    kernel: str  # "forward" | "backward": the file's "kernel" field
+    path: Path
+    defaults: dict
+    config_type: type
+
+    def measured(self) -> dict:
+        return _measured(self.path, self.config_type)
+
+    def default(self, arch: str, head_dim: int):
+        return self.defaults[(arch, block_d_for(head_dim))]
+
+    @functools.cache
+    def lookup(self, arch: str, gpu: str, block_d: int, bucket: int):
+        """The config for one key (see the module docstring for the order), cached."""
+        measured = self.measured()
+        if gpu and (gpu, block_d, bucket) in measured:
+            return measured[(gpu, block_d, bucket)]
+        near = [b for g, d, b in measured if g == gpu and d == block_d] if gpu else []
+        if near:
+            # Nearest bucket on a log scale; on a tie the longer one (the tuner's default).
+            nearest = min(near, key=lambda b: (abs(math.log2(b / bucket)), -b))
+            return measured[(gpu, block_d, nearest)]
+        return self.defaults[(arch, block_d)]
+
+    def for_call(self, device: torch.device, head_dim: int, seqlen: int):
+        arch, gpu = device_identity(device)
+        return self.lookup(arch, gpu, block_d_for(head_dim), seqlen_bucket(seqlen))
+
+
+def write_entries(path: Path, kernel: str, new_entries: list[dict]) -> list[dict]:
+    """Merge ``new_entries`` into the tuning file at ``path`` (same key: replaced; other keys:
+    kept) and write it sorted; returns the written entries."""
+    old = json.loads(path.read_text()).get("entries", []) if path.exists() else []
+    merged = {tuple(e[k] for k in KEY_FIELDS): e for e in [*old, *new_entries]}
+    ordered = [merged[key] for key in sorted(merged)]
+    path.write_text(json.dumps({"kernel": kernel, "entries": ordered}, indent=1) + "\n")
+    return ordered
