@@ -59,10 +59,30 @@ def parse_args(doc: str, head_dims: list[int]) -> argparse.Namespace:
                         help="coordinate descent instead of every combination (< 4 min)")
     parser.add_argument("--out", type=Path, default=None,
                         help="tuning file to merge into (default: the package's)")
+    parser.add_argument("--space", action="append", default=[], metavar="FIELD=V1,V2",
+                        help="search only these fields, over these values (repeatable), e.g. "
+                             "--space atomic_dq=0,1 --space dkdv_block_m=32,64")
     args = parser.parse_args()
+    args.space = dict(_parse_space(item) for item in args.space)
     args.head_dims = args.head_dims or ([128] if args.quick else head_dims)
     args.seqlens = args.seqlens or ([4096] if args.quick else [1024, 4096, 16384])
     return args
+
+
+def _parse_space(item: str) -> tuple[str, tuple]:
+    field, _, values = item.partition("=")
+    if not field or not values:
+        raise SystemExit(f"--space: expected FIELD=V1,V2, got {item!r}")
+    return field, tuple(int(v) for v in values.split(","))
+
+
+def narrow(space: dict[str, tuple], override: dict[str, tuple]) -> dict[str, tuple]:
+    """``space`` as the command line narrows it: with ``--space`` given, only its fields that
+    belong to this search, with its values (booleans as 0/1)."""
+    if not override:
+        return space
+    return {field: tuple(bool(v) if isinstance(space[field][0], bool) else v for v in values)
+            for field, values in override.items() if field in space}
 
 
 def candidates(base, space: dict[str, tuple]) -> list:

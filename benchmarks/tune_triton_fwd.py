@@ -104,8 +104,9 @@ def main() -> int:
                 return results[key] and results[key][0]
 
             default = fwd.TABLE.default(arch, head_dim)
-            best = tc.search(default, {**tc.hopper_fields("tma"), **tc.blackwell_fields(
-                "warp_specialize"), **SPACE.get(block_d, SPACE[128])}, score, args.quick)
+            space = {**tc.hopper_fields("tma"), **tc.blackwell_fields("warp_specialize"),
+                     **SPACE.get(block_d, SPACE[128])}
+            best = tc.search(default, tc.narrow(space, args.space), score, args.quick)
             if results.get(tc.short(best)) is None:
                 print(f"{tag}: no candidate ran", file=sys.stderr)
                 continue

@@ -108,6 +108,7 @@ class Case:
     layout: str = "contiguous"  # contiguous | transposed | varlen | varlen_transposed
     dout: str = "contiguous"  # contiguous | strided (a slice of a wider tensor)
     tiles: tuple | None = None  # BwdTiles fields; None: the module's table
+    deterministic: bool = True  # False lets a tile entry with atomic_dq use the atomic path
 
     @property
     def varlen(self):
@@ -168,7 +169,8 @@ def make_params(attn_params, case: Case, inputs):
     scale = case.head_dim ** -0.5 if case.softmax_scale is None else case.softmax_scale
     return attn_params(softmax_scale=scale, causal=case.causal, window_left=left,
                        window_right=0 if case.causal else right, softcap=case.softcap,
-                       dropout_p=case.dropout_p, seed=case.seed, deterministic=True,
+                       dropout_p=case.dropout_p, seed=case.seed,
+                       deterministic=case.deterministic,
                        max_seqlen_q=inputs["max_seqlen_q"], max_seqlen_k=inputs["max_seqlen_k"])
 
 
@@ -309,6 +311,48 @@ def test_tensor_descriptor_path(bwd, attn_params, device, monkeypatch, name):
     monkeypatch.setattr(bwd, "use_tma", recording)
     check_case(bwd, attn_params, device, dataclasses.replace(CASES[name], tiles=TMA_TILES))
     assert granted == [True, True]
+
+
+ATOMIC_TILES = (16, 32, 1, 1, 32, 16, 1, 1, "tests: atomic dQ", False, False, True)
+ATOMIC_CASES = ["gqa4_causal_sq_lt_sk", "mqa_causal_sq_gt_sk", "decode_sq1_gqa4", "group3_full",
+                "window_gqa2", "softcap_gqa4_causal", "sink_window_empty_rows",
+                "dropout_gqa4_causal_seed64", "varlen_mqa_sink", "everything_varlen",
+                "odd_130x17_full", "d80_gqa2"]
+
+
+@pytest.mark.parametrize("name", _marked(ATOMIC_CASES))
+def test_atomic_dq_path(bwd, attn_params, device, monkeypatch, name):
+    """deterministic=False with an ``atomic_dq`` tile: dQ is accumulated in the dK/dV kernel
+    (fp32 atomics) and the dQ kernel is not launched."""
+    launched = []
+    dq_kernel = bwd._bwd_dq_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return dq_kernel[grid]
+    monkeypatch.setattr(bwd, "_bwd_dq_kernel", Recording())
+    case = CASES[name]
+    tiles = ATOMIC_TILES if case.tiles is None else (*case.tiles, "tests", False, False, True)
+    check_case(bwd, attn_params, device,
+               dataclasses.replace(case, tiles=tiles, deterministic=False))
+    assert launched == []
+
+
+def test_atomic_dq_with_tensor_descriptors(bwd, attn_params, device):
+    tiles = (*ATOMIC_TILES[:9], True, False, True)
+    check_case(bwd, attn_params, device,
+               dataclasses.replace(CASES["everything_varlen"], tiles=tiles, deterministic=False))
+
+
+def test_deterministic_ignores_atomic_dq(bwd, attn_params, device):
+    """deterministic=True with an ``atomic_dq`` tile still runs the dQ kernel: bitwise
+    reproducible."""
+    case = dataclasses.replace(CASES["gqa4_causal_sq_lt_sk"], tiles=ATOMIC_TILES)
+    inputs, params, out, lse, first = check_case(bwd, attn_params, device, case)
+    second = run_backward(bwd, inputs, params, out, lse, case.tiles)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
 
 
 @pytest.mark.kernels_ci

@@ -14,16 +14,18 @@ Glossary (see also ``_triton_common``):
   TMA                Q, dO, K, V read through tensor descriptors (``rows_source``; sm90+,
                      16-byte aligned), per kernel (``dkdv_tma``, ``dq_tma``)
 
-Three launches, none with atomics:
+Three launches:
   1. ``_bwd_delta_kernel``: DELTA = rowsum(DO * O) in fp32, one program per (query block, head).
   2. ``_bwd_dkdv_kernel``: one program owns DKDV_BLOCK_N keys of one (batch, KV head). It loops
      over the GROUP query heads of that kv head and, per head, over the query blocks of the
      causal / window band, accumulating dK and dV in registers. The GQA reduction happens
      there, so no (.., Hq, D)-sized dK/dV buffer and no reduction op ever exist.
   3. ``_bwd_dq_kernel``: one program owns DQ_BLOCK_M queries of one (batch, query head) and
-     loops over the band's key blocks, recomputing P from LSE; dQ needs no atomics either.
-Every output element is written by exactly one program in a fixed order, so gradients are
-bitwise reproducible run to run (``deterministic=True`` holds in every mode).
+     loops over the band's key blocks, recomputing P from LSE.
+With ``deterministic=True`` every output element is written by exactly one program in a fixed
+order, so gradients are bitwise reproducible run to run. Otherwise, where the tile entry says
+``atomic_dq``, launch 3 is skipped: the dK/dV kernel also forms ``dS K`` for each query block
+it visits and adds it into an fp32 dQ buffer with atomics ([Note: atomic dQ]).
 
 Both loops visit their band in three calls of one inner loop: the leading edge blocks (masked),
 the interior blocks (no mask, no bounds checks), the trailing edge blocks (masked). Causal,
@@ -50,6 +52,14 @@ the dK/dV kernel, the last query block in the dQ kernel). Its padding lanes are 
 and never stored, and each dK/dV row depends only on its own key (each dQ row only on its own
 query), so the interior loop may run over them unmasked: only the loop dimension needs the
 bounds, and ``query_block_range`` / ``key_block_range`` keep interior blocks inside it.
+
+[Note: atomic dQ] The dQ kernel recomputes ``Q K^T`` and ``dO V^T``: the two launches run
+7 matmuls per (query block, key block) where the gradient needs 5 (14 M*N*D flops against the
+10 the FLOP rule counts). Accumulating dQ in the dK/dV loop needs only one more matmul there,
+``dS^T``'s transpose times the resident K tile, at the price of fp32 atomic adds into a
+zero-filled (.., Hq, D) fp32 buffer (summed in whatever order the programs finish: not
+bitwise reproducible), converted to dQ's dtype at the end. The buffer is per query head, as dQ
+is; K/V-sized gradients stay reduced in registers as before.
 
 [Note: offsets] Per-program bases (batch, head, sequence start) and per-block offsets are
 int64; in-tile offsets stay int32, so tensors beyond 2**31 elements address correctly.
@@ -115,18 +125,21 @@ def _bwd_delta_kernel(O, DO, DELTA, CU_SEQLENS_Q,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qs, stride_dos,
-                stride_ls, block_lo, block_hi, cols, seqlen_q, seqlen_k, qk_scale,
-                softcap_log2, alibi_slope_log2, window_left, window_right, seed_lo, seed_hi,
-                batch, head, num_heads_q, threshold, dropout_rescale,
-                MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
-                DROPOUT: tl.constexpr, TMA: tl.constexpr):
+def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_base, stride_qs,
+                stride_dos, stride_ls, stride_dqs, block_lo, block_hi, cols, seqlen_q, seqlen_k,
+                softmax_scale, qk_scale, softcap_log2, alibi_slope_log2, window_left,
+                window_right, seed_lo, seed_hi, batch, head, num_heads_q, threshold,
+                dropout_rescale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
+                HAS_ALIBI: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
+                HAS_WINDOW_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr,
+                ATOMIC_DQ: tl.constexpr):
     """Accumulates the contribution of query blocks ``[block_lo, block_hi)`` of one head;
-    ``q_src``/``do_src`` are that head's Q/dO matrices as ``rows_source`` gives them."""
+    ``q_src``/``do_src`` are that head's Q/dO matrices as ``rows_source`` gives them. With
+    ATOMIC_DQ it also adds ``scale * dS K`` into the fp32 rows at ``dq_base``."""
     diag = seqlen_k - seqlen_q
     offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
     for block in range(block_lo, block_hi):
         start_m = block * BLOCK_M
         rows = start_m + offs_m
@@ -161,22 +174,32 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qs, st
         if SOFTCAP:
             ds_t = ds_t * (1.0 - t_t * t_t)
         dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t))
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k) * softmax_scale
+            dq_ptrs = dq_base + rows[:, None] * stride_dqs + offs_d[None, :]
+            if MASKED:
+                dq_ok = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+            else:
+                dq_ok = offs_d[None, :] < HEAD_DIM
+            tl.atomic_add(dq_ptrs, dq, mask=dq_ok, sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["threshold", "seed_lo", "seed_hi"])
 def _bwd_dkdv_kernel(
-        Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI,
+        Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI,
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
-        stride_dkb, stride_dks, stride_dkh, stride_lb, stride_lh, stride_ls, stride_ab,
+        stride_dkb, stride_dks, stride_dkh, stride_dqb, stride_dqs, stride_dqh,
+        stride_lb, stride_lh, stride_ls, stride_ab,
         seqlen_q_batched, seqlen_k_batched, num_heads_q,
         softmax_scale, qk_scale, softcap_log2, window_left, window_right,
         threshold, seed_lo, seed_hi, dropout_rescale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr,
         HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-        HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr):
+        HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr,
+        ATOMIC_DQ: tl.constexpr):
     pid_n = tl.program_id(0)
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -226,28 +249,29 @@ def _bwd_dkdv_kernel(
                              BLOCK_D, TMA)
         lse_base = LSE + batch64 * stride_lb + head64 * stride_lh + q_row0 * stride_ls
         delta_base = DELTA + batch64 * stride_lb + head64 * stride_lh + q_row0 * stride_ls
+        dq_base = DQACC + batch64 * stride_dqb + head64 * stride_dqh + q_row0 * stride_dqs
         if HAS_ALIBI:
             alibi_slope_log2 = tl.load(ALIBI + batch64 * stride_ab + head) * LOG2E
         else:
             alibi_slope_log2 = 0.0
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qs, stride_dos,
-            stride_ls, full_lo, full_hi, cols, seqlen_q, seqlen_k, qk_scale, softcap_log2,
-            alibi_slope_log2, window_left, window_right, seed_lo, seed_hi, batch, head,
-            num_heads_q, thr, dropout_rescale, False, HEAD_DIM, BLOCK_M, BLOCK_D, SOFTCAP,
-            HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA)
+            dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_base, stride_qs, stride_dos,
+            stride_ls, stride_dqs, full_lo, full_hi, cols, seqlen_q, seqlen_k, softmax_scale, qk_scale,
+            softcap_log2, alibi_slope_log2, window_left, window_right, seed_lo, seed_hi, batch,
+            head, num_heads_q, thr, dropout_rescale, False, HEAD_DIM, BLOCK_M, BLOCK_D,
+            SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA, ATOMIC_DQ)
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qs, stride_dos,
-            stride_ls, lo, full_lo, cols, seqlen_q, seqlen_k, qk_scale, softcap_log2,
-            alibi_slope_log2, window_left, window_right, seed_lo, seed_hi, batch, head,
-            num_heads_q, thr, dropout_rescale, True, HEAD_DIM, BLOCK_M, BLOCK_D, SOFTCAP,
-            HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA)
+            dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_base, stride_qs, stride_dos,
+            stride_ls, stride_dqs, lo, full_lo, cols, seqlen_q, seqlen_k, softmax_scale, qk_scale,
+            softcap_log2, alibi_slope_log2, window_left, window_right, seed_lo, seed_hi, batch,
+            head, num_heads_q, thr, dropout_rescale, True, HEAD_DIM, BLOCK_M, BLOCK_D,
+            SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA, ATOMIC_DQ)
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qs, stride_dos,
-            stride_ls, full_hi, hi, cols, seqlen_q, seqlen_k, qk_scale, softcap_log2,
-            alibi_slope_log2, window_left, window_right, seed_lo, seed_hi, batch, head,
-            num_heads_q, thr, dropout_rescale, True, HEAD_DIM, BLOCK_M, BLOCK_D, SOFTCAP,
-            HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA)
+            dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_base, stride_qs, stride_dos,
+            stride_ls, stride_dqs, full_hi, hi, cols, seqlen_q, seqlen_k, softmax_scale, qk_scale,
+            softcap_log2, alibi_slope_log2, window_left, window_right, seed_lo, seed_hi, batch,
+            head, num_heads_q, thr, dropout_rescale, True, HEAD_DIM, BLOCK_M, BLOCK_D,
+            SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA, ATOMIC_DQ)
 
     dk = dk * softmax_scale
     out_base = batch64 * stride_dkb + kv_head64 * stride_dkh + k_row0 * stride_dks
@@ -412,6 +436,9 @@ class BwdTiles:
     reason: str = ""
     dkdv_tma: bool = False  # dK/dV kernel reads K, V, Q, dO through tensor descriptors
     dq_tma: bool = False  # dQ kernel reads Q, dO, K, V through tensor descriptors
+    # deterministic=False only: dQ accumulated with fp32 atomics in the dK/dV kernel, no dQ
+    # kernel ([Note: atomic dQ]); the dq_* fields then go unused
+    atomic_dq: bool = False
 
 
 _T = BwdTiles
@@ -493,15 +520,21 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
     strides = (*shape.seq_strides(q), *shape.seq_strides(k), *shape.seq_strides(v),
                *shape.seq_strides(dout))
     scalars.update(softmax_scale=params.softmax_scale)
+    atomic_dq = cfg.atomic_dq and not params.deterministic
+    # fp32 dQ accumulator of the atomic path; the dQ kernel's output otherwise (never read)
+    dq_acc = torch.zeros(dq.shape, device=dq.device, dtype=torch.float32) if atomic_dq else dq
     if has_k:
         grid = (triton.cdiv(shape.max_seqlen_k, cfg.dkdv_block_n), shape.heads_kv, shape.batch)
         _bwd_dkdv_kernel[grid](
-            q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-            *strides, *shape.seq_strides(dk), *shape.lse_strides(lse), **scalars,
+            q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+            *strides, *shape.seq_strides(dk), *shape.seq_strides(dq_acc),
+            *shape.lse_strides(lse), **scalars,
             BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
-            TMA=use_tma(cfg.dkdv_tma, q.device, shape, q, k, v, dout),
+            TMA=use_tma(cfg.dkdv_tma, q.device, shape, q, k, v, dout), ATOMIC_DQ=atomic_dq,
             num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **flags)
-    if has_q:
+    if atomic_dq:
+        dq.copy_(dq_acc)
+    elif has_q:
         grid = (triton.cdiv(shape.max_seqlen_q, cfg.dq_block_m), shape.heads_q, shape.batch)
         _bwd_dq_kernel[grid](
             q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
