@@ -100,6 +100,18 @@ class Ranks:
         return out
 
 
+def _ours_source(results):
+    """One sentence saying where ours was loaded from (a Hub revision or a local build)."""
+    for r in results:
+        for rank in r.get("ranks", []):
+            for k in rank.get("kernel") or []:
+                if k.get("hub"):
+                    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+                    return f" Ours was loaded through kernels from {endpoint}: `{k['hub']}`."
+                return f" Ours was loaded through kernels from the local build {k['path']}."
+    return ""
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--impls", default=None, help=f"comma-separated subset of {','.join(IMPLS)} "
@@ -388,7 +400,8 @@ def write_outputs(out: Path, results: list[dict], args, env: dict) -> None:
              "warm-up steps" + (f", summed over the {world} ranks (per {unit}: divided by {world}); "
                                 "the loss is the mean over ranks" if world > 1 else "") + ". "
              "Packed rows need a document mask: transformers passes SDPA a dense one (which SDPA's "
-             "flash backend cannot take), FlexAttention a block mask, and ours cu_seqlens.", "",
+             "flash backend cannot take), FlexAttention a block mask, and ours cu_seqlens."
+             + _ours_source(results), "",
              f"| implementation | attn_implementation | tokens/s | tokens/s per {unit} | vs sdpa | step ms (median) "
              f"| peak memory per {unit} (GiB) | loss step 1 | final loss | max loss gap to sdpa | note |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -97,7 +97,18 @@ for phase in "${phases[@]}"; do
       run_phase hub python3 -m flash_attn_hub release --allow-dirty
       ;;
     train)
-      run_phase train python3 benchmarks/train_trl.py --out "$OUT/train"
+      # Ours comes from the embedded Hub that the hub phase published to (run it first), served
+      # here on 127.0.0.1 for the length of the run. TRAIN_ARGS adds flags, e.g. "--steps 200".
+      python3 -m flash_attn_hub hub serve --port 8765 >"$OUT/train-hub.log" 2>&1 &
+      hub_pid=$!
+      for _ in $(seq 50); do
+        grep -q "Hub serving" "$OUT/train-hub.log" 2>/dev/null && break
+        sleep 0.2
+      done
+      # shellcheck disable=SC2086
+      run_phase train timeout "${TRAIN_TIMEOUT:-900}" python3 benchmarks/train_trl.py \
+        --endpoint http://127.0.0.1:8765 --out "$OUT/train" ${TRAIN_ARGS:-}
+      kill "$hub_pid" 2>/dev/null
       ;;
     *)
       log "unknown phase $phase"; status=1 ;;
