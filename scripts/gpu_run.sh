@@ -94,7 +94,9 @@ for phase in "${phases[@]}"; do
         ${BENCH_ARGS:---grid standard} --kernel-dir build --out "$OUT/bench" --no-progress
       ;;
     hub)
-      run_phase hub python3 -m flash_attn_hub release --allow-dirty
+      # HUB_ARGS adds flags, e.g. "--no-transformers" when only the train phase needs the Hub.
+      # shellcheck disable=SC2086
+      run_phase hub python3 -m flash_attn_hub release --allow-dirty ${HUB_ARGS:-}
       ;;
     train)
       # Ours comes from the embedded Hub that the hub phase published to (run it first), served
@@ -114,11 +116,14 @@ for phase in "${phases[@]}"; do
       log "unknown phase $phase"; status=1 ;;
   esac
 done
-# Results come back as few files: one archive per result folder.
+# Results come back as few files (a GPU machine may return only a handful): one archive per
+# result folder, and one for every log.
 for dir in bench train tune; do
   if [[ -d $OUT/$dir ]]; then
     tar czf "$OUT/$dir.tgz" -C "$OUT" "$dir" && rm -rf "${OUT:?}/$dir"
   fi
 done
+(cd "$OUT" && shopt -s nullglob && logs=(*.log gpu*.txt) && [[ ${#logs[@]} -gt 0 ]] &&
+  tar czf logs.tgz "${logs[@]}" && rm -f "${logs[@]}")
 log "done, status $status"
 exit $status
