@@ -357,10 +357,9 @@ def baseline(results: list[dict]) -> str:
     return next((b for b in BASELINES if b in ran), BASELINES[0])
 
 
-def loss_gap(results: list[dict], impl: str, base: str | None = None) -> float | None:
+def loss_gap(results: list[dict], impl: str, base: str) -> float | None:
     """Largest |loss(impl) - loss(base)| over the steps both logged: the two runs share the
     seed, the initial weights and the data order, so the gap is the attention's numerics."""
-    base = base or baseline(results)
     curves = {r["impl"]: dict(r["losses"]) for r in results if r.get("losses")}
     if impl not in curves or base not in curves:
         return None

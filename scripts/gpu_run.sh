@@ -5,6 +5,8 @@
 #
 #   bash scripts/gpu_run.sh [setup] [build] [cudafwd] [sanitize] [test] [tune] [bench] [hub] [train]
 #
+# train loads ours from the embedded Hub that hub publishes to, so hub goes before it.
+#
 # build leaves the CUDA variant in build/, and the test phases load it from there
 # (FLASH_ATTN_HUB_TEST_REPO) instead of building once per test process. A tree copied without
 # .git names its commit in the file .git_sha (written by whoever copies it).
@@ -107,9 +109,15 @@ for phase in "${phases[@]}"; do
         grep -q "Hub serving" "$OUT/train-hub.log" 2>/dev/null && break
         sleep 0.2
       done
-      # shellcheck disable=SC2086
-      run_phase train timeout "${TRAIN_TIMEOUT:-900}" python3 benchmarks/train_trl.py \
-        --endpoint http://127.0.0.1:8765 --out "$OUT/train" ${TRAIN_ARGS:-}
+      if ! grep -q "Hub serving" "$OUT/train-hub.log" 2>/dev/null; then
+        log "phase train FAILED: the embedded Hub did not start; tail of train-hub.log:"
+        tail -n 20 "$OUT/train-hub.log"
+        status=1
+      else
+        # shellcheck disable=SC2086
+        run_phase train timeout "${TRAIN_TIMEOUT:-900}" python3 benchmarks/train_trl.py \
+          --endpoint http://127.0.0.1:8765 --out "$OUT/train" ${TRAIN_ARGS:-}
+      fi
       kill "$hub_pid" 2>/dev/null
       ;;
     *)
