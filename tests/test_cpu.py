@@ -13,51 +13,33 @@ skips chunks, fully masked rows, the dropout keep-mask bit for bit, determinism.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import itertools
 import math
 import random
-import sys
-import types
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from reference import assert_close_to_reference, attention_reference, dropout_keep_mask
-
-SOURCE_PACKAGE = Path(__file__).resolve().parents[1] / "torch-ext" / "flash_attn"
-
-
-def _source_package():
-    """The package straight from the source tree, for runs without the `flash_attn` fixture:
-    a bare package object whose path is the source folder, so relative imports work and
-    `__init__` (which needs the build's `_ops`) never runs."""
-    name = "flash_attn_source"
-    if name not in sys.modules:
-        package = types.ModuleType(name)
-        package.__path__ = [str(SOURCE_PACKAGE)]
-        sys.modules[name] = package
-    return sys.modules[name]
+from helpers import (assert_each_close, assert_matches_reference, built_or_source_package,
+                     make_sequences_qkv, random_tensor, reference_kwargs, reference_results,
+                     run_backward, run_forward, submodule)
+from reference import dropout_keep_mask
 
 
 @pytest.fixture(scope="module")
 def package(request):
-    try:
-        return request.getfixturevalue("flash_attn")
-    except pytest.FixtureLookupError:
-        return _source_package()
+    return built_or_source_package(request)
 
 
 @pytest.fixture(scope="module")
 def cpu(package):
-    return importlib.import_module(package.__name__ + "._cpu")
+    return submodule(package, "_cpu")
 
 
 @pytest.fixture(scope="module")
 def attn_params(package):
-    return importlib.import_module(package.__name__ + "._params").AttnParams
+    return submodule(package, "_params").AttnParams
 
 
 def shrink_chunks(monkeypatch, cpu, *, keys=24, queries=10):
@@ -124,47 +106,22 @@ class Case:
         return [(sq, sk), (0, 5), (1, 1), (6, 0), (sk % 37 + 2, sq % 29 + 1)]
 
 
-def _rows(total: int, num_heads: int, head_dim: int, dtype, strided: bool, lead=()):
-    """Random (*lead, total, H, D); strided: a transposed view (stride(-1) == 1 only)."""
-    if strided:
-        return torch.randn(*lead, num_heads, total, head_dim, dtype=dtype).transpose(-3, -2)
-    return torch.randn(*lead, total, num_heads, head_dim, dtype=dtype)
-
-
-def _kv(total: int, num_heads: int, head_dim: int, dtype, strided: bool, lead=()):
-    """K and V, as slices of one packed tensor when strided."""
-    if strided:
-        kv = torch.randn(*lead, total, 2, num_heads, head_dim, dtype=dtype)
-        return kv.select(-3, 0), kv.select(-3, 1)
-    return (torch.randn(*lead, total, num_heads, head_dim, dtype=dtype),
-            torch.randn(*lead, total, num_heads, head_dim, dtype=dtype))
-
-
 def make_inputs(case: Case, seed: int = 0):
+    """Strided: q and dout transposed, K and V views of one kv-packed tensor."""
     torch.manual_seed(seed)
     hq, hkv = HEADS[case.heads]
     seqlens = case.seqlens()
+    q, k, v, cu_q, cu_k, max_q, max_k = make_sequences_qkv(
+        seqlens, hq, hkv, case.head_dim, varlen=case.varlen, dtype=case.dtype,
+        transposed=case.strided, kv_layout="packed" if case.strided else "contiguous")
+    dout = random_tensor(q.shape, dtype=case.dtype,
+                         layout="transposed" if case.strided else "contiguous")
     batch = len(seqlens)
-    if case.varlen:
-        tq = sum(s for s, _ in seqlens)
-        tk = sum(s for _, s in seqlens)
-        q = _rows(tq, hq, case.head_dim, case.dtype, case.strided)
-        k, v = _kv(tk, hkv, case.head_dim, case.dtype, case.strided)
-        dout = _rows(tq, hq, case.head_dim, case.dtype, case.strided)
-        cu_q = torch.tensor([0, *itertools.accumulate(s for s, _ in seqlens)], dtype=torch.int32)
-        cu_k = torch.tensor([0, *itertools.accumulate(s for _, s in seqlens)], dtype=torch.int32)
-    else:
-        sq, sk = seqlens[0]
-        q = _rows(sq, hq, case.head_dim, case.dtype, case.strided, (batch,))
-        k, v = _kv(sk, hkv, case.head_dim, case.dtype, case.strided, (batch,))
-        dout = _rows(sq, hq, case.head_dim, case.dtype, case.strided, (batch,))
-        cu_q = cu_k = None
     slopes = {"none": None, "h": torch.rand(hq) * 0.2,
               "bh": torch.rand(batch, hq) * 0.2}[case.alibi]
     s_aux = torch.randn(hq) if case.sinks else None
     return dict(q=q, k=k, v=v, dout=dout, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                alibi_slopes=slopes, s_aux=s_aux,
-                max_seqlen_q=max(s for s, _ in seqlens), max_seqlen_k=max(s for _, s in seqlens))
+                alibi_slopes=slopes, s_aux=s_aux, max_seqlen_q=max_q, max_seqlen_k=max_k)
 
 
 def make_params(attn_params, case: Case, inputs, *, seed=0x5EED_0000_1234):
@@ -176,59 +133,31 @@ def make_params(attn_params, case: Case, inputs, *, seed=0x5EED_0000_1234):
         max_seqlen_k=inputs["max_seqlen_k"])
 
 
-def nan_like(x, shape=None, dtype=None):
-    return torch.full(x.shape if shape is None else shape, math.nan,
-                      dtype=x.dtype if dtype is None else dtype, device=x.device)
+CALL = ("cu_seqlens_q", "cu_seqlens_k", "s_aux", "alibi_slopes")  # launcher keywords
 
 
 def run_backend(cpu, inputs, params, *, backward=True):
     """forward (+ backward) into NaN-poisoned destinations; returns the written tensors."""
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    hq = q.shape[-2]
-    lse_shape = (hq, q.shape[0]) if inputs["cu_seqlens_q"] is not None else (
-        q.shape[0], hq, q.shape[1])
-    extra = dict(cu_seqlens_q=inputs["cu_seqlens_q"], cu_seqlens_k=inputs["cu_seqlens_k"],
-                 s_aux=inputs["s_aux"], alibi_slopes=inputs["alibi_slopes"], params=params)
-    out = nan_like(q)
-    lse = nan_like(q, lse_shape, torch.float32)
-    cpu.forward(q, k, v, out, lse, **extra)
+    call = {name: inputs[name] for name in CALL}
+    out, lse = run_forward(cpu, q, k, v, params=params, **call)
     result = dict(out=out, lse=lse)
     if backward:
-        dq, dk, dv = nan_like(q), nan_like(k), nan_like(v)
-        ds_aux = None if inputs["s_aux"] is None else nan_like(inputs["s_aux"])
-        cpu.backward(inputs["dout"], q, k, v, out, lse, dq, dk, dv, ds_aux, **extra)
-        result.update(dq=dq, dk=dk, dv=dv, ds_aux=ds_aux)
+        result.update(run_backward(cpu, inputs["dout"], q, k, v, out, lse, params=params, **call))
     return result
-
-
-def run_reference(case: Case, inputs, params, dtype):
-    leaves = [inputs[n].detach().clone().requires_grad_() for n in ("q", "k", "v")]
-    s_aux = inputs["s_aux"]
-    if s_aux is not None:
-        s_aux = s_aux.detach().clone().requires_grad_()
-    causal, left, right = MASKS[case.mask]
-    out, lse = attention_reference(
-        *leaves, softmax_scale=params.softmax_scale, causal=causal, window_size=(left, right),
-        softcap=params.softcap, alibi_slopes=inputs["alibi_slopes"], s_aux=s_aux,
-        dropout_p=params.dropout_p, seed=params.seed, cu_seqlens_q=inputs["cu_seqlens_q"],
-        cu_seqlens_k=inputs["cu_seqlens_k"], dtype=dtype)
-    out.backward(inputs["dout"].to(dtype))
-    return dict(out=out, lse=lse, dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad,
-                ds_aux=None if s_aux is None else s_aux.grad)
 
 
 def check_case(cpu, attn_params, case: Case, seed: int = 0, device: str = "cpu"):
     inputs = make_inputs(case, seed)
     params = make_params(attn_params, case, inputs)
     on_device = {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in inputs.items()}
-    ours = {n: None if x is None else x.cpu()
-            for n, x in run_backend(cpu, on_device, params).items()}
-    ref64 = run_reference(case, inputs, params, torch.float64)
-    lowp = run_reference(case, inputs, params, case.dtype)
-    for name, value in ours.items():
-        if value is None:
-            continue
-        assert_close_to_reference(f"{case} {name}", value, ref64[name], lowp[name])
+    ours = {n: x.cpu() for n, x in run_backend(cpu, on_device, params).items()}
+    reference = dict(reference_kwargs(params), alibi_slopes=inputs["alibi_slopes"],
+                     cu_seqlens_q=inputs["cu_seqlens_q"], cu_seqlens_k=inputs["cu_seqlens_k"],
+                     dout=inputs["dout"], s_aux=inputs["s_aux"])
+    qkv = inputs["q"], inputs["k"], inputs["v"]
+    assert_each_close(ours, reference_results(*qkv, dtype=torch.float64, **reference),
+                      reference_results(*qkv, dtype=case.dtype, **reference), label=str(case))
     return ours
 
 
@@ -317,8 +246,7 @@ def test_fully_masked_rows(cpu, attn_params, sinks, layout, monkeypatch):
     inputs = make_inputs(case)
     ours = check_case(cpu, attn_params, case)
     for name, value in ours.items():
-        if value is not None:
-            assert torch.isfinite(value[~torch.isinf(value)]).all(), name
+        assert torch.isfinite(value[~torch.isinf(value)]).all(), name
     if layout == "contig":
         hidden = slice(0, 32)
         assert (ours["out"][:, hidden] == 0).all()
@@ -359,14 +287,10 @@ def test_long_sequence_is_chunked(cpu, attn_params):
         ours = run_backend(cpu, inputs, params)
     score_matrix = inputs["q"].shape[0] * 4 * 1024 * 1024
     assert probe.max_numel <= score_matrix // 8, (probe.max_numel, score_matrix)
-    assert all(torch.isfinite(x).all() for x in ours.values() if x is not None)
+    assert all(torch.isfinite(x).all() for x in ours.values())
     tail = slice(-128, None)
-    with torch.no_grad():
-        q_tail = inputs["q"][:, tail]
-        ref64 = attention_reference(q_tail, inputs["k"], inputs["v"])
-        lowp = attention_reference(q_tail, inputs["k"], inputs["v"], dtype=case.dtype)
-    assert_close_to_reference("out", ours["out"][:, tail], ref64[0], lowp[0])
-    assert_close_to_reference("lse", ours["lse"][..., tail], ref64[1], lowp[1])
+    assert_matches_reference({"out": ours["out"][:, tail], "lse": ours["lse"][..., tail]},
+                             inputs["q"][:, tail], inputs["k"], inputs["v"])
 
 
 @pytest.mark.kernels_ci
