@@ -159,25 +159,27 @@ def lse_shape(q: torch.Tensor, varlen: bool) -> tuple[int, ...]:
     return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
 
 
-def run_forward(backend, q, k, v, **call):
+def run_forward(backend, q, k, v, *, params, cu_seqlens_q=None, cu_seqlens_k=None, s_aux=None,
+                alibi_slopes=None, **launch):
     """``backend.forward`` into a NaN-poisoned out and float32 lse, returned as ``(out, lse)``.
-    ``call``: the launcher's keywords (cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slopes, params,
-    tiles, ...)."""
+    ``launch``: further keywords of the launcher (``tiles``)."""
     out = nan_like(q)
-    lse = nan_like(q, shape=lse_shape(q, call.get("cu_seqlens_q") is not None),
-                   dtype=torch.float32)
-    backend.forward(q, k, v, out, lse, **call)
+    lse = nan_like(q, shape=lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
+    backend.forward(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                    s_aux=s_aux, alibi_slopes=alibi_slopes, params=params, **launch)
     return out, lse
 
 
-def run_backward(backend, dout, q, k, v, out, lse, **call) -> dict:
-    """``backend.backward`` into NaN-poisoned gradients: ``{dq, dk, dv}`` and ``ds_aux``
-    (float32) when ``call`` has an ``s_aux``. ``call`` as in :func:`run_forward`."""
+def run_backward(backend, dout, q, k, v, out, lse, *, params, cu_seqlens_q=None,
+                 cu_seqlens_k=None, s_aux=None, alibi_slopes=None, **launch) -> dict:
+    """``backend.backward`` into NaN-poisoned gradients: ``{dq, dk, dv}`` and, with a sink,
+    ``ds_aux`` (float32). Keywords as in :func:`run_forward`."""
     grads = dict(dq=nan_like(q), dk=nan_like(k), dv=nan_like(v))
-    if call.get("s_aux") is not None:
-        grads["ds_aux"] = nan_like(call["s_aux"], dtype=torch.float32)
+    if s_aux is not None:
+        grads["ds_aux"] = nan_like(s_aux, dtype=torch.float32)
     backend.backward(dout, q, k, v, out, lse, grads["dq"], grads["dk"], grads["dv"],
-                     grads.get("ds_aux"), **call)
+                     grads.get("ds_aux"), cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                     s_aux=s_aux, alibi_slopes=alibi_slopes, params=params, **launch)
     return grads
 
 

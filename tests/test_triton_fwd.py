@@ -25,58 +25,40 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import importlib  # noqa: E402
 import math  # noqa: E402
 import subprocess  # noqa: E402
-import types  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from reference import (assert_close_to_reference, attention_reference,  # noqa: E402
-                       dropout_keep_mask, visible_mask)
+from helpers import (SOURCE_PACKAGE, assert_matches_reference,  # noqa: E402
+                     built_or_source_package, make_qkv, make_varlen_qkv, reference_kwargs,
+                     run_forward, submodule)
+from reference import dropout_keep_mask, visible_mask  # noqa: E402
 
 # The interpreter's own NumPy deprecation warnings, thousands per kernel call.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.runtime.interpreter")
 
-SOURCE_PACKAGE = Path(__file__).resolve().parents[1] / "torch-ext" / "flash_attn"
-
-
-def _source_package():
-    """The package straight from the source tree (runs without the `flash_attn` fixture): a bare
-    package object whose path is the source folder, so `__init__` (which needs `_ops`) never
-    runs and relative imports still work."""
-    name = "flash_attn_source"
-    if name not in sys.modules:
-        package = types.ModuleType(name)
-        package.__path__ = [str(SOURCE_PACKAGE)]
-        sys.modules[name] = package
-    return sys.modules[name]
-
 
 @pytest.fixture(scope="module")
 def package(request):
-    try:
-        return request.getfixturevalue("flash_attn")
-    except pytest.FixtureLookupError:
-        return _source_package()
+    return built_or_source_package(request)
 
 
 @pytest.fixture(scope="module")
 def fwd(package):
-    return importlib.import_module(package.__name__ + "._triton_fwd")
+    return submodule(package, "_triton_fwd")
 
 
 @pytest.fixture(scope="module")
 def common(package):
-    return importlib.import_module(package.__name__ + "._triton_common")
+    return submodule(package, "_triton_common")
 
 
 @pytest.fixture(scope="module")
 def attn_params(package):
-    return importlib.import_module(package.__name__ + "._params").AttnParams
+    return submodule(package, "_params").AttnParams
 
 
 def _interpreted(fwd) -> bool:
@@ -112,37 +94,15 @@ def make_inputs(device, dtype, *, batch, seqlen_q, seqlen_k, heads_q, heads_kv, 
                 layout="contiguous"):
     """q/k/v in the batched layout; ``layout="transposed"`` builds them as views of
     ``(B, H, S, D)`` tensors and of a packed kv tensor, so every stride but the last differs."""
-    def rand(*shape):
-        return torch.randn(*shape, device=device, dtype=dtype)
-    if layout == "contiguous":
-        return (rand(batch, seqlen_q, heads_q, head_dim), rand(batch, seqlen_k, heads_kv, head_dim),
-                rand(batch, seqlen_k, heads_kv, head_dim))
-    q = rand(batch, heads_q, seqlen_q, head_dim).transpose(1, 2)
-    kv = rand(batch, heads_kv, seqlen_k, 2, head_dim + 8)
-    return q, kv[..., 0, 8:].transpose(1, 2), kv[..., 1, :head_dim].transpose(1, 2)
-
-
-def run_forward(fwd, q, k, v, params, *, cu_seqlens_q=None, cu_seqlens_k=None, s_aux=None,
-                alibi_slopes=None, tiles=None):
-    out = torch.full(q.shape, math.nan, dtype=q.dtype, device=q.device)
-    if cu_seqlens_q is None:
-        lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-    else:
-        lse_shape = (q.shape[1], q.shape[0])
-    lse = torch.full(lse_shape, math.nan, dtype=torch.float32, device=q.device)
-    fwd.forward(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                s_aux=s_aux, alibi_slopes=alibi_slopes, params=params, tiles=tiles)
-    return out, lse
+    transposed = layout == "transposed"
+    return make_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype=dtype,
+                    device=device, transposed=transposed,
+                    kv_layout="packed_transposed" if transposed else "contiguous")
 
 
 def check_against_reference(q, k, v, out, lse, params, **extra):
-    kwargs = dict(softmax_scale=params.softmax_scale, causal=params.causal,
-                  window_size=(params.window_left, params.window_right), softcap=params.softcap,
-                  dropout_p=params.dropout_p, seed=params.seed, **extra)
-    ref_out, ref_lse = attention_reference(q, k, v, **kwargs)
-    low_out, low_lse = attention_reference(q, k, v, dtype=q.dtype, **kwargs)
-    assert_close_to_reference("out", out, ref_out, low_out)
-    assert_close_to_reference("lse", lse, ref_lse, low_lse)
+    assert_matches_reference({"out": out, "lse": lse}, q, k, v, **reference_kwargs(params),
+                             **extra)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +166,7 @@ def run_case(fwd, attn_params, device, dtype, spec, tiles=None):
     if spec.get("sink"):
         extra["s_aux"] = torch.randn(shape["heads_q"], device=device) * 2
     tiles = None if tiles is None else fwd.FwdTiles(*tiles)
-    out, lse = run_forward(fwd, q, k, v, params, tiles=tiles, **extra)
+    out, lse = run_forward(fwd, q, k, v, params=params, tiles=tiles, **extra)
     check_against_reference(q, k, v, out, lse, params, **extra)
 
 
@@ -265,7 +225,7 @@ def test_misaligned_inputs_take_the_pointer_path(fwd, attn_params, device, descr
     q = wide[..., 4:36]  # data_ptr + 8 bytes
     k, v = (torch.randn(2, 53, 4, 32, dtype=torch.float16, device=device) for _ in range(2))
     params = make_params(attn_params, head_dim=32, causal=True, max_seqlen_q=37, max_seqlen_k=53)
-    out, lse = run_forward(fwd, q, k, v, params, tiles=fwd.FwdTiles(*TMA_TILES))
+    out, lse = run_forward(fwd, q, k, v, params=params, tiles=fwd.FwdTiles(*TMA_TILES))
     assert descriptor_choices == [False]
     check_against_reference(q, k, v, out, lse, params)
 
@@ -303,23 +263,21 @@ def test_varlen(fwd, attn_params, device, name):
     lens_q, lens_k, feat = VARLEN[name]
     heads_q, heads_kv = feat.get("heads", (4, 2))
     head_dim = 32
-    cu_q = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    cu_k = torch.tensor([0] + lens_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    dtype = torch.float16
-    q = torch.randn(int(cu_q[-1]), heads_q, head_dim, dtype=dtype, device=device)
-    kv = torch.randn(int(cu_k[-1]), 2, heads_kv, head_dim, dtype=dtype, device=device)
-    k, v = kv[:, 0], kv[:, 1]  # strided views of one packed tensor
+    # K and V: strided views of one packed tensor
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv(lens_q, lens_k, heads_q, heads_kv,
+                                                        head_dim, dtype=torch.float16,
+                                                        device=device, kv_layout="packed")
     params = make_params(attn_params, head_dim=head_dim, causal=feat.get("causal", False),
                          window=feat.get("window", (-1, -1)), softcap=feat.get("softcap", 0.0),
                          dropout_p=feat.get("dropout_p", 0.0), seed=feat.get("seed", 0),
-                         max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+                         max_seqlen_q=max_q, max_seqlen_k=max_k)
     extra = {}
     if feat.get("sink"):
         extra["s_aux"] = torch.randn(heads_q, device=device)
     if feat.get("alibi") == "batch":
         extra["alibi_slopes"] = torch.rand(len(lens_q), heads_q, device=device) * 0.5
-    out, lse = run_forward(fwd, q, k, v, params, cu_seqlens_q=cu_q.to(device),
-                           cu_seqlens_k=cu_k.to(device), **extra)
+    out, lse = run_forward(fwd, q, k, v, params=params, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                           **extra)
     check_against_reference(q, k, v, out, lse, params, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                             **extra)
 
@@ -340,7 +298,7 @@ def test_dropout_mask_bitwise(fwd, attn_params, device, seed):
         batch, seqlen_k, heads_kv, seqlen_k)
     params = make_params(attn_params, head_dim=seqlen_k, dropout_p=dropout_p, seed=seed,
                          max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k)
-    out, _ = run_forward(fwd, q, k, v, params)
+    out, _ = run_forward(fwd, q, k, v, params=params)
     for b in range(batch):
         for h in range(heads_q):
             want = dropout_keep_mask(seed, b, h, heads_q, seqlen_q, seqlen_k, dropout_p)
@@ -357,7 +315,7 @@ def test_rows_without_keys(fwd, attn_params, device):
     params = make_params(attn_params, head_dim=16, causal=True, max_seqlen_q=40, max_seqlen_k=7)
     s_aux = torch.tensor([0.5, -1.25], device=device)
     for sink in (None, s_aux):
-        out, lse = run_forward(fwd, q, k, v, params, s_aux=sink)
+        out, lse = run_forward(fwd, q, k, v, params=params, s_aux=sink)
         empty = 40 - 7
         assert not out.isnan().any() and not lse.isnan().any()
         assert torch.equal(out[:, :empty], torch.zeros_like(out[:, :empty]))
@@ -539,12 +497,9 @@ def test_gpu_varlen_bf16(fwd, attn_params):
     torch.manual_seed(6)
     lens_q = [1, 700, 0, 333, 1024]
     lens_k = [900, 700, 5, 1000, 1024]
-    cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
-    cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
-    q = torch.randn(int(cu_q[-1]), 16, 128, dtype=torch.bfloat16, device="cuda")
-    k = torch.randn(int(cu_k[-1]), 4, 128, dtype=torch.bfloat16, device="cuda")
-    v = torch.randn_like(k)
-    params = make_params(attn_params, head_dim=128, causal=True, max_seqlen_q=max(lens_q),
-                         max_seqlen_k=max(lens_k))
-    out, lse = run_forward(fwd, q, k, v, params, cu_seqlens_q=cu_q.cuda(), cu_seqlens_k=cu_k.cuda())
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv(lens_q, lens_k, 16, 4, 128,
+                                                        dtype=torch.bfloat16, device="cuda")
+    params = make_params(attn_params, head_dim=128, causal=True, max_seqlen_q=max_q,
+                         max_seqlen_k=max_k)
+    out, lse = run_forward(fwd, q, k, v, params=params, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     check_against_reference(q, k, v, out, lse, params, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
