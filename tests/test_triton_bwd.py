@@ -29,50 +29,33 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import dataclasses  # noqa: E402
-import importlib  # noqa: E402
 import itertools  # noqa: E402
-import math  # noqa: E402
 import subprocess  # noqa: E402
-import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from reference import assert_close_to_reference, attention_reference  # noqa: E402
+from helpers import (SOURCE_PACKAGE, assert_each_close, built_or_source_package,  # noqa: E402
+                     make_sequences_qkv, random_tensor, reference_kwargs, reference_results,
+                     run_backward, submodule)
 
-SOURCE_PACKAGE = Path(__file__).resolve().parents[1] / "torch-ext" / "flash_attn"
 # The interpreter converts 1-element arrays to loop bounds with a call NumPy deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array:DeprecationWarning")
 
 
-def _source_package():
-    """The package straight from the source tree (runs without the `flash_attn` fixture): a bare
-    package object whose path is the source folder, so `__init__` (which needs `_ops`) never
-    runs and relative imports still work."""
-    name = "flash_attn_source"
-    if name not in sys.modules:
-        package = types.ModuleType(name)
-        package.__path__ = [str(SOURCE_PACKAGE)]
-        sys.modules[name] = package
-    return sys.modules[name]
-
-
 @pytest.fixture(scope="module")
 def package(request):
-    try:
-        return request.getfixturevalue("flash_attn")
-    except pytest.FixtureLookupError:
-        return _source_package()
+    return built_or_source_package(request)
 
 
 @pytest.fixture(scope="module")
 def bwd(package):
-    return importlib.import_module(package.__name__ + "._triton_bwd")
+    return submodule(package, "_triton_bwd")
 
 
 @pytest.fixture(scope="module")
 def attn_params(package):
-    return importlib.import_module(package.__name__ + "._params").AttnParams
+    return submodule(package, "_params").AttnParams
 
 
 @pytest.fixture(scope="module")
@@ -122,46 +105,23 @@ class Case:
         return [(sq, sk), (0, 5), (1, 1), (6, 0), (sk % 37 + 2, sq % 29 + 1)]
 
 
-def _rows(lead, total, heads, dim, dtype, device, transposed):
-    """Random (*lead, total, heads, dim); transposed: a view of (*lead, heads, total, dim)."""
-    if transposed:
-        return torch.randn(*lead, heads, total, dim, dtype=dtype, device=device).transpose(-3, -2)
-    return torch.randn(*lead, total, heads, dim, dtype=dtype, device=device)
-
-
 def make_inputs(case: Case, dtype, device):
+    """Transposed: q transposed, K and V views of one padded packed tensor (every stride but the
+    last differs); a strided dout is a slice of a wider tensor."""
     hq, hkv = case.heads
-    d = case.head_dim
     seqlens = case.seqlens()
-    batch = len(seqlens)
     transposed = case.layout.endswith("transposed")
-    if case.varlen:
-        lead, tq, tk = (), sum(s for s, _ in seqlens), sum(s for _, s in seqlens)
-        cu_q = torch.tensor([0, *itertools.accumulate(s for s, _ in seqlens)], dtype=torch.int32,
-                            device=device)
-        cu_k = torch.tensor([0, *itertools.accumulate(s for _, s in seqlens)], dtype=torch.int32,
-                            device=device)
-    else:
-        lead, (tq, tk) = (batch,), seqlens[0]
-        cu_q = cu_k = None
-    q = _rows(lead, tq, hq, d, dtype, device, transposed)
-    if transposed:  # K and V as slices of one packed tensor: every stride but the last differs
-        kv = torch.randn(*lead, hkv, tk, 2, d + 8, dtype=dtype, device=device)
-        k, v = kv[..., 0, 8:].transpose(-3, -2), kv[..., 1, :d].transpose(-3, -2)
-    else:
-        k = _rows(lead, tk, hkv, d, dtype, device, False)
-        v = _rows(lead, tk, hkv, d, dtype, device, False)
-    if case.dout == "strided":
-        dout = torch.randn(*lead, tq, hq, 2 * d, dtype=dtype, device=device)[..., d:]
-    else:
-        dout = torch.randn(*lead, tq, hq, d, dtype=dtype, device=device)
+    q, k, v, cu_q, cu_k, max_q, max_k = make_sequences_qkv(
+        seqlens, hq, hkv, case.head_dim, varlen=case.varlen, dtype=dtype, device=device,
+        transposed=transposed, kv_layout="packed_transposed" if transposed else "contiguous")
+    dout = random_tensor(q.shape, dtype=dtype, device=device,
+                         layout="sliced" if case.dout == "strided" else "contiguous")
     slopes = {"none": None,
               "head": torch.rand(hq, device=device) * 0.3,
-              "batch": torch.rand(batch, hq, device=device) * 0.3}[case.alibi]
+              "batch": torch.rand(len(seqlens), hq, device=device) * 0.3}[case.alibi]
     s_aux = torch.randn(hq, device=device) if case.sink else None
     return dict(q=q, k=k, v=v, dout=dout, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, s_aux=s_aux,
-                alibi_slopes=slopes, max_seqlen_q=max(s for s, _ in seqlens),
-                max_seqlen_k=max(s for _, s in seqlens))
+                alibi_slopes=slopes, max_seqlen_q=max_q, max_seqlen_k=max_k)
 
 
 def make_params(attn_params, case: Case, inputs):
@@ -174,56 +134,35 @@ def make_params(attn_params, case: Case, inputs):
                        max_seqlen_q=inputs["max_seqlen_q"], max_seqlen_k=inputs["max_seqlen_k"])
 
 
-def reference_run(inputs, params, dtype):
+def reference(inputs, params, dtype):
     """Reference out, lse and gradients of (q, k, v[, s_aux]) computed in ``dtype``."""
-    leaves = [inputs[n].detach().requires_grad_(True) for n in ("q", "k", "v")]
-    sink = inputs["s_aux"]
-    if sink is not None:
-        sink = sink.detach().requires_grad_(True)
-        leaves.append(sink)
-    out, lse = attention_reference(
-        *leaves[:3], softmax_scale=params.softmax_scale, causal=params.causal,
-        window_size=(params.window_left, params.window_right), softcap=params.softcap,
-        alibi_slopes=inputs["alibi_slopes"], s_aux=sink, dropout_p=params.dropout_p,
-        seed=params.seed, cu_seqlens_q=inputs["cu_seqlens_q"],
-        cu_seqlens_k=inputs["cu_seqlens_k"], dtype=dtype)
-    grads = torch.autograd.grad(out, leaves, inputs["dout"].to(dtype), allow_unused=True)
-    names = ("dq", "dk", "dv", "ds_aux")
-    result = {name: g for name, g in zip(names, grads)}
-    return out.detach(), lse.detach(), result
+    return reference_results(
+        inputs["q"], inputs["k"], inputs["v"], dtype=dtype, dout=inputs["dout"],
+        s_aux=inputs["s_aux"], alibi_slopes=inputs["alibi_slopes"],
+        cu_seqlens_q=inputs["cu_seqlens_q"], cu_seqlens_k=inputs["cu_seqlens_k"],
+        **reference_kwargs(params))
 
 
-def nan_like(x, dtype=None):
-    return torch.full(x.shape, math.nan, dtype=x.dtype if dtype is None else dtype,
-                      device=x.device)
-
-
-def run_backward(bwd, inputs, params, out, lse, tiles=None):
+def run_kernels(bwd, inputs, params, out, lse, tiles=None):
     """The kernels into NaN-poisoned destinations; returns dq, dk, dv (and ds_aux)."""
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    grads = dict(dq=nan_like(q), dk=nan_like(k), dv=nan_like(v))
-    if inputs["s_aux"] is not None:
-        grads["ds_aux"] = nan_like(inputs["s_aux"], torch.float32)
-    bwd.backward(inputs["dout"], q, k, v, out, lse, grads["dq"], grads["dk"], grads["dv"],
-                 grads.get("ds_aux"), cu_seqlens_q=inputs["cu_seqlens_q"],
-                 cu_seqlens_k=inputs["cu_seqlens_k"], s_aux=inputs["s_aux"],
-                 alibi_slopes=inputs["alibi_slopes"], params=params,
-                 tiles=None if tiles is None else bwd.BwdTiles(*tiles))
-    return grads
+    return run_backward(bwd, inputs["dout"], inputs["q"], inputs["k"], inputs["v"], out, lse,
+                        params=params, cu_seqlens_q=inputs["cu_seqlens_q"],
+                        cu_seqlens_k=inputs["cu_seqlens_k"], s_aux=inputs["s_aux"],
+                        alibi_slopes=inputs["alibi_slopes"],
+                        tiles=None if tiles is None else bwd.BwdTiles(*tiles))
 
 
 def check_case(bwd, attn_params, device, case: Case, dtype=torch.float16, seed=0):
     torch.manual_seed(seed)
     inputs = make_inputs(case, dtype, device)
     params = make_params(attn_params, case, inputs)
-    out64, lse64, ref64 = reference_run(inputs, params, torch.float64)
-    _, _, lowp = reference_run(inputs, params, dtype)
+    ref64, lowp = reference(inputs, params, torch.float64), reference(inputs, params, dtype)
     # The backward's forward inputs as a forward kernel would hand them over.
-    out, lse = out64.to(dtype).contiguous(), lse64.to(torch.float32).contiguous()
-    ours = run_backward(bwd, inputs, params, out, lse, case.tiles)
+    out, lse = ref64["out"].to(dtype).contiguous(), ref64["lse"].to(torch.float32).contiguous()
+    ours = run_kernels(bwd, inputs, params, out, lse, case.tiles)
     for name, value in ours.items():
         assert value.dtype == (torch.float32 if name == "ds_aux" else dtype), name
-        assert_close_to_reference(name, value, ref64[name], lowp[name])
+    assert_each_close(ours, ref64, lowp)
     return inputs, params, out, lse, ours
 
 
@@ -350,7 +289,7 @@ def test_deterministic_ignores_atomic_dq(bwd, attn_params, device):
     reproducible."""
     case = dataclasses.replace(CASES["gqa4_causal_sq_lt_sk"], tiles=ATOMIC_TILES)
     inputs, params, out, lse, first = check_case(bwd, attn_params, device, case)
-    second = run_backward(bwd, inputs, params, out, lse, case.tiles)
+    second = run_kernels(bwd, inputs, params, out, lse, case.tiles)
     for name in first:
         assert torch.equal(first[name], second[name]), name
 
@@ -361,7 +300,7 @@ def test_bitwise_deterministic(bwd, attn_params, device):
     case = Case(heads=GQA4, sizes=(33, 47), causal=True, sink=True, dropout_p=0.2, seed=3,
                 batch=1)
     inputs, params, out, lse, first = check_case(bwd, attn_params, device, case)
-    second = run_backward(bwd, inputs, params, out, lse)
+    second = run_kernels(bwd, inputs, params, out, lse)
     for name in first:
         assert torch.equal(first[name], second[name]), name
 
@@ -373,8 +312,8 @@ def test_keys_nobody_sees_get_zero_gradients(bwd, attn_params, device):
     case = Case(heads=GQA2, sizes=(5, 70), window=(3, 0), batch=1)
     inputs = make_inputs(case, torch.float16, device)
     params = make_params(attn_params, case, inputs)
-    out64, lse64, _ = reference_run(inputs, params, torch.float64)
-    grads = run_backward(bwd, inputs, params, out64.half(), lse64.float())
+    ref64 = reference(inputs, params, torch.float64)
+    grads = run_kernels(bwd, inputs, params, ref64["out"].half(), ref64["lse"].float())
     seen = slice(70 - 5 - 3, 70)
     assert torch.count_nonzero(grads["dk"][:, :seen.start]) == 0
     assert torch.count_nonzero(grads["dv"][:, :seen.start]) == 0
@@ -488,7 +427,7 @@ GPU_CASES = {
 def test_gpu_realistic(bwd, attn_params, name, dtype):
     inputs, params, out, lse, first = check_case(bwd, attn_params, torch.device("cuda"),
                                                  GPU_CASES[name], dtype=dtype)
-    second = run_backward(bwd, inputs, params, out, lse)
+    second = run_kernels(bwd, inputs, params, out, lse)
     for key in first:
         assert torch.equal(first[key], second[key]), f"{key} not bitwise reproducible"
 
@@ -503,7 +442,7 @@ def test_gpu_no_query_head_sized_buffers(bwd, attn_params):
     q = inputs["q"]
     out = torch.randn_like(q).contiguous()
     lse = torch.randn(q.shape[0], q.shape[2], q.shape[1], device=q.device)
-    run_backward(bwd, inputs, params, out, lse)  # compile outside the measurement
+    run_kernels(bwd, inputs, params, out, lse)  # compile outside the measurement
     grads = dict(dq=torch.empty_like(q, memory_format=torch.contiguous_format),
                  dk=torch.empty_like(inputs["k"], memory_format=torch.contiguous_format),
                  dv=torch.empty_like(inputs["v"], memory_format=torch.contiguous_format))
