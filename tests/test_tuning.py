@@ -7,33 +7,24 @@ import dataclasses
 import importlib
 import json
 import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import SOURCE_PACKAGE, source_package, submodule
+
 REPO = Path(__file__).resolve().parents[1]
-SOURCE_PACKAGE = REPO / "torch-ext" / "flash_attn"
-
-
-def _source_package():
-    name = "flash_attn_source"
-    if name not in sys.modules:
-        package = types.ModuleType(name)
-        package.__path__ = [str(SOURCE_PACKAGE)]
-        sys.modules[name] = package
-    return sys.modules[name]
 
 
 @pytest.fixture(scope="module")
 def tuning():
-    return importlib.import_module(_source_package().__name__ + "._tuning")
+    return submodule(source_package(), "_tuning")
 
 
 @pytest.fixture(scope="module", params=["_triton_fwd", "_triton_bwd"])
 def kernel_module(request):
-    return importlib.import_module(_source_package().__name__ + "." + request.param)
+    return submodule(source_package(), request.param)
 
 
 @dataclasses.dataclass(frozen=True)
