@@ -59,6 +59,26 @@ def built_or_source_package(request) -> types.ModuleType:
         return source_package()
 
 
+def interpreted(kernel) -> bool:
+    """Whether a ``@triton.jit`` kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``
+    when its module was imported)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
+
+
+def triton_device(kernel) -> torch.device:
+    """CPU under the interpreter, else CUDA; skips the test when neither can run ``kernel``."""
+    import pytest
+
+    if interpreted(kernel):
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    pytest.skip("the Triton kernels were compiled for a GPU but there is no CUDA device: set "
+                "TRITON_INTERPRET=1 before the package is imported")
+
+
 def submodule(package, name: str):
     """A module of the loaded kernel package, e.g. ``submodule(flash_attn, "_cpu")``."""
     return importlib.import_module(f"{package.__name__}.{name}")

@@ -37,7 +37,7 @@ import pytest  # noqa: E402
 
 from helpers import (SOURCE_PACKAGE, assert_each_close, built_or_source_package,  # noqa: E402
                      make_sequences_qkv, random_tensor, reference_kwargs, reference_results,
-                     run_backward, submodule)
+                     run_backward, submodule, triton_device)
 
 # The interpreter converts 1-element arrays to loop bounds with a call NumPy deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array:DeprecationWarning")
@@ -60,14 +60,7 @@ def attn_params(package):
 
 @pytest.fixture(scope="module")
 def device(bwd):
-    """CPU under the interpreter, else CUDA; skip when neither can run the kernels."""
-    from triton.runtime.interpreter import InterpretedFunction
-    if isinstance(bwd._bwd_dq_kernel, InterpretedFunction):
-        return torch.device("cpu")
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    pytest.skip("the Triton kernels were compiled for a GPU but there is no CUDA device: set "
-                "TRITON_INTERPRET=1 before the package is imported")
+    return triton_device(bwd._bwd_dq_kernel)
 
 
 # ---------------------------------------------------------------------------------------------

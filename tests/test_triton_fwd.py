@@ -33,8 +33,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from helpers import (SOURCE_PACKAGE, assert_matches_reference,  # noqa: E402
-                     built_or_source_package, make_qkv, make_varlen_qkv, reference_kwargs,
-                     run_forward, submodule)
+                     built_or_source_package, interpreted, make_qkv, make_varlen_qkv,
+                     reference_kwargs, run_forward, submodule, triton_device)
 from reference import dropout_keep_mask, visible_mask  # noqa: E402
 
 # The interpreter's own NumPy deprecation warnings, thousands per kernel call.
@@ -61,20 +61,9 @@ def attn_params(package):
     return submodule(package, "_params").AttnParams
 
 
-def _interpreted(fwd) -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-    return isinstance(fwd._attn_fwd_kernel, InterpretedFunction)
-
-
 @pytest.fixture(scope="module")
 def device(fwd):
-    """CPU under the interpreter, else CUDA; skip when neither can run the kernel."""
-    if _interpreted(fwd):
-        return torch.device("cpu")
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    pytest.skip("the Triton kernel was compiled for a GPU but there is no CUDA device: set "
-                "TRITON_INTERPRET=1 before the package is imported")
+    return triton_device(fwd._attn_fwd_kernel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -484,7 +473,7 @@ GPU_CASES = {
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", list(GPU_CASES))
 def test_gpu_realistic(fwd, attn_params, dtype, name):
-    if not torch.cuda.is_available() or _interpreted(fwd):
+    if not torch.cuda.is_available() or interpreted(fwd._attn_fwd_kernel):
         pytest.skip("needs a CUDA GPU and the compiled (not interpreted) kernel")
     torch.manual_seed(5)
     run_case(fwd, attn_params, torch.device("cuda"), dtype, GPU_CASES[name])
@@ -492,7 +481,7 @@ def test_gpu_realistic(fwd, attn_params, dtype, name):
 
 @pytest.mark.gpu
 def test_gpu_varlen_bf16(fwd, attn_params):
-    if not torch.cuda.is_available() or _interpreted(fwd):
+    if not torch.cuda.is_available() or interpreted(fwd._attn_fwd_kernel):
         pytest.skip("needs a CUDA GPU and the compiled (not interpreted) kernel")
     torch.manual_seed(6)
     lens_q = [1, 700, 0, 333, 1024]
