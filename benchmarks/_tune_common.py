@@ -116,6 +116,14 @@ def search(base, space: dict[str, tuple], score: Callable, quick: bool):
     return max(results, key=lambda sc: sc[0])[1] if results else base
 
 
+def attn_params(params_cls, head_dim: int, causal: bool, seqlen: int):
+    """The ``AttnParams`` of a timed workload: default scale, full or causal, no window,
+    softcap or dropout, non-deterministic, Sq = Sk = ``seqlen``."""
+    return params_cls(softmax_scale=head_dim ** -0.5, causal=causal, window_left=-1,
+                      window_right=0 if causal else -1, softcap=0.0, dropout_p=0.0, seed=0,
+                      deterministic=False, max_seqlen_q=seqlen, max_seqlen_k=seqlen)
+
+
 @dataclasses.dataclass
 class Workload:
     """One timed call: ``run(config)`` launches the kernels, ``flops`` counts as ANCHORS.md."""
@@ -123,6 +131,13 @@ class Workload:
     run: Callable
     flops: float
     shape: dict
+
+
+def full_and_causal(problem: Callable, flops: float, shape: dict) -> list[Workload]:
+    """The non-causal and the causal workload of one shape: ``problem(causal)`` builds the
+    object whose ``run(config)`` is timed; ``flops`` is the non-causal count (causal: half)."""
+    return [Workload("causal" if causal else "full", problem(causal).run,
+                     flops / (2 if causal else 1), shape) for causal in (False, True)]
 
 
 def short(config) -> str:
@@ -175,10 +190,26 @@ class Session:
               + f" TFLOP/s ({' / '.join(rates)})", flush=True)
         return score, rates
 
-    def record(self, *, block_d: int, seqlen: int, shape: str, best, default, result,
-               default_result):
+    def scorer(self, check: Callable, workloads: list[Workload], tag: str):
+        """``(score, results)``: ``score(config)`` measures a config once (``results`` keeps
+        each :meth:`measure` by :func:`short`) and returns its geo-mean, None if it failed."""
+        results = {}
+
+        def score(config):
+            key = short(config)
+            if key not in results:
+                results[key] = self.measure(config, check, workloads, tag)
+            return results[key] and results[key][0]
+        return score, results
+
+    def record(self, *, block_d: int, seqlen: int, shape: str, best, default, results: dict,
+               tag: str):
         """Keep ``best`` for (this GPU, block_d, bucket of seqlen) with its measured reason;
-        ``default`` is the in-code table's config and ``default_result`` its measurement."""
+        ``default`` is the in-code table's config, ``results`` the :meth:`scorer`'s."""
+        result, default_result = results.get(short(best)), results.get(short(default))
+        if result is None:
+            print(f"{tag}: no candidate ran", file=sys.stderr)
+            return
         score, rates = result
         versus = ""
         if default_result and short(best) != short(default):

@@ -50,19 +50,13 @@ DQ = {
 CHECK_SEQLEN = 304  # ragged against every tile, a multiple of 16 (no extra specialisation)
 
 
-def _params(attn_params, head_dim, causal, seqlen):
-    return attn_params(softmax_scale=head_dim ** -0.5, causal=causal, window_left=-1,
-                       window_right=0 if causal else -1, softcap=0.0, dropout_p=0.0, seed=0,
-                       deterministic=False, max_seqlen_q=seqlen, max_seqlen_k=seqlen)
-
-
 class Problem:
     """Inputs, forward results and NaN-poisoned gradient buffers of one batched workload."""
 
     def __init__(self, bwd, fwd, attn_params, batch, seqlen, heads, head_dim, causal):
         hq, hkv = heads
         self.bwd = bwd
-        self.params = _params(attn_params, head_dim, causal, seqlen)
+        self.params = tc.attn_params(attn_params, head_dim, causal, seqlen)
         rand = dict(device="cuda", dtype=torch.bfloat16)
         self.q = torch.randn(batch, seqlen, hq, head_dim, **rand)
         self.k = torch.randn(batch, seqlen, hkv, head_dim, **rand)
@@ -119,22 +113,13 @@ def main() -> int:
         for seqlen in args.seqlens:
             batch = max(1, tc.TOKENS // seqlen)
             torch.manual_seed(1)
-            flops = 2.5 * 4 * batch * heads[0] * seqlen * seqlen * head_dim
-            workloads = []
-            for causal in (False, True):
-                problem = Problem(bwd, fwd, attn_params, batch, seqlen, heads, head_dim, causal)
-                workloads.append(tc.Workload("causal" if causal else "full", problem.run,
-                                             flops / (2 if causal else 1),
-                                             dict(head_dim=head_dim, heads=list(heads),
-                                                  batch=batch, seqlen=seqlen)))
+            workloads = tc.full_and_causal(
+                lambda causal: Problem(bwd, fwd, attn_params, batch, seqlen, heads, head_dim,
+                                       causal),
+                2.5 * 4 * batch * heads[0] * seqlen * seqlen * head_dim,
+                dict(head_dim=head_dim, heads=list(heads), batch=batch, seqlen=seqlen))
             tag = f"D={head_dim} S={seqlen}"
-            results = {}
-
-            def score(tiles):
-                key = tc.short(tiles)
-                if key not in results:
-                    results[key] = session.measure(tiles, correct, workloads, tag)
-                return results[key] and results[key][0]
+            score, results = session.scorer(correct, workloads, tag)
 
             default = bwd.TABLE.default(arch, head_dim)
             dkdv = {"atomic_dq": (False, True), **tc.hopper_fields("dkdv_tma"),
@@ -143,13 +128,9 @@ def main() -> int:
             if not best.atomic_dq:  # the atomic path launches no dQ kernel
                 dq = {**tc.hopper_fields("dq_tma"), **DQ.get(block_d, DQ[128])}
                 best = tc.search(best, tc.narrow(dq, args.space), score, args.quick)
-            if results.get(tc.short(best)) is None:
-                print(f"{tag}: no candidate ran", file=sys.stderr)
-                continue
             session.record(block_d=block_d, seqlen=seqlen,
                            shape=f"B={batch} S={seqlen} H={heads[0]}/{heads[1]} D={head_dim}",
-                           best=best, default=default, result=results[tc.short(best)],
-                           default_result=results.get(tc.short(default)))
+                           best=best, default=default, results=results, tag=tag)
     return session.finish(args.out)
 
 

@@ -35,18 +35,12 @@ SPACE = {
 CHECK_SEQLEN = 304  # ragged against every tile, a multiple of 16 (no extra specialisation)
 
 
-def _params(attn_params, head_dim, causal, seqlen):
-    return attn_params(softmax_scale=head_dim ** -0.5, causal=causal, window_left=-1,
-                       window_right=0 if causal else -1, softcap=0.0, dropout_p=0.0, seed=0,
-                       deterministic=False, max_seqlen_q=seqlen, max_seqlen_k=seqlen)
-
-
 class Problem:
     """Random bf16 inputs and NaN-poisoned outputs of one batched forward."""
 
     def __init__(self, fwd, attn_params, batch, seqlen, heads, head_dim, causal):
         self.fwd = fwd
-        self.params = _params(attn_params, head_dim, causal, seqlen)
+        self.params = tc.attn_params(attn_params, head_dim, causal, seqlen)
         shape = (batch, seqlen, heads, head_dim)
         self.q, self.k, self.v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16)
                                   for _ in range(3))
@@ -86,34 +80,20 @@ def main() -> int:
         for seqlen in args.seqlens:
             batch = max(1, tc.TOKENS // seqlen)
             torch.manual_seed(1)
-            flops = 4 * batch * heads * seqlen * seqlen * head_dim
-            workloads = []
-            for causal in (False, True):
-                problem = Problem(fwd, attn_params, batch, seqlen, heads, head_dim, causal)
-                workloads.append(tc.Workload("causal" if causal else "full", problem.run,
-                                             flops / (2 if causal else 1),
-                                             dict(head_dim=head_dim, heads=heads, batch=batch,
-                                                  seqlen=seqlen)))
+            workloads = tc.full_and_causal(
+                lambda causal: Problem(fwd, attn_params, batch, seqlen, heads, head_dim, causal),
+                4 * batch * heads * seqlen * seqlen * head_dim,
+                dict(head_dim=head_dim, heads=heads, batch=batch, seqlen=seqlen))
             tag = f"D={head_dim} S={seqlen}"
-            results = {}
-
-            def score(tiles):
-                key = tc.short(tiles)
-                if key not in results:
-                    results[key] = session.measure(tiles, correct, workloads, tag)
-                return results[key] and results[key][0]
+            score, results = session.scorer(correct, workloads, tag)
 
             default = fwd.TABLE.default(arch, head_dim)
             space = {**tc.hopper_fields("tma"), **tc.blackwell_fields("warp_specialize"),
                      **SPACE.get(block_d, SPACE[128])}
             best = tc.search(default, tc.narrow(space, args.space), score, args.quick)
-            if results.get(tc.short(best)) is None:
-                print(f"{tag}: no candidate ran", file=sys.stderr)
-                continue
             session.record(block_d=block_d, seqlen=seqlen,
                            shape=f"B={batch} S={seqlen} H={heads} D={head_dim}", best=best,
-                           default=default, result=results[tc.short(best)],
-                           default_result=results.get(tc.short(default)))
+                           default=default, results=results, tag=tag)
     return session.finish(args.out)
 
 
