@@ -15,25 +15,12 @@ float64 oracle may be at most twice PyTorch's own error in the same low precisio
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.util
-
 import torch
 
-from .. import REPO_ROOT
+from ..verify import reference  # tests/reference.py, the one oracle, from the source tree
 from .workloads import Workload
 
 ROWS = 128
-
-
-@functools.lru_cache(maxsize=1)
-def reference():
-    """``tests/reference.py``: the one oracle, imported from the source tree."""
-    path = REPO_ROOT / "tests" / "reference.py"
-    spec = importlib.util.spec_from_file_location("flash_attn_hub_bench_reference", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class VerificationError(Exception):
