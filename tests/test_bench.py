@@ -191,40 +191,29 @@ def test_merge_replaces_remeasured_groups_whole():
     assert [(r["provider"], r["workload"]) for r in merged] == [("sdpa-cudnn", "x"), ("ours-cuda", "w")]
 
 
-class _Wrong(Sdpa):
-    """SDPA math with its output off by 5%: verification must refuse to time it."""
+class _Altered(Sdpa):
+    """SDPA math with ``alter`` applied to its forward's output, under another name."""
 
-    def __init__(self):
+    def __init__(self, name, alter):
         super().__init__("math")
-        self.name = "wrong"
+        self.name = name
+        self.alter = alter
 
     def label(self, w):
         return self.name
 
     def prepare(self, w, x):
         inner = super().prepare(w, x)
-        return Prepared(inner.leaves, lambda: inner.fwd() * 1.05, inner.to_canonical, inner.to_provider)
-
-
-class _ForwardOnly(Sdpa):
-    """SDPA math without a backward: its forward is timed, its backward modes skipped."""
-
-    def __init__(self):
-        super().__init__("math")
-        self.name = "fwd-only"
-
-    def label(self, w):
-        return self.name
-
-    def prepare(self, w, x):
-        inner = super().prepare(w, x)
-        return Prepared(inner.leaves, lambda: inner.fwd().detach(), inner.to_canonical, inner.to_provider)
+        return Prepared(inner.leaves, lambda: self.alter(inner.fwd()), inner.to_canonical, inner.to_provider)
 
 
 def test_tiny_cpu_suite_end_to_end(flash_attn, tmp_path):
     workloads = grid_workloads("cpu", match="s128-causal|sq64|docs")  # square, Sq != Sk with GQA, varlen
     assert len(workloads) == 3
-    providers = make_providers(["ours-cpu", "sdpa-math"], flash_attn) + [_Wrong(), _ForwardOnly()]
+    providers = make_providers(["ours-cpu", "sdpa-math"], flash_attn) + [
+        _Altered("wrong", lambda out: out * 1.05),  # 5% off: verification must refuse to time it
+        _Altered("fwd-only", torch.Tensor.detach),  # no backward: forward timed, backward modes skipped
+    ]
     timing = runner.Timing(warmup_ms=1, rep_ms=3)
     saved = []
     result = runner.run_suite(workloads, providers, ["fwd", "bwd", "fwd_bwd"], device=torch.device("cpu"),
