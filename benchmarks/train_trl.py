@@ -472,7 +472,8 @@ def main(argv=None) -> int:
         r = train_one(impl, args, dataset, tokenizer, ranks)
         if r.get("tokens_per_s"):
             mems = " / ".join(f"{m['peak_mem_bytes'] / 2**30:.1f}" for m in r["ranks"] if m["peak_mem_bytes"])
-            say(f"   {r['distributed']}: {r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s_per_gpu']:,.0f} per "
+            how = "one process" if r["distributed"] == "NO" else r["distributed"]  # accelerate's names
+            say(f"   {how}: {r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s_per_gpu']:,.0f} per "
                 f"rank), final loss {r['final_loss']:.4f}" + (f", peak per rank {mems} GiB" if mems else ""),
                 flush=True)
         results.append(r)
