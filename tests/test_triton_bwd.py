@@ -85,6 +85,7 @@ class Case:
     dout: str = "contiguous"  # contiguous | strided (a slice of a wider tensor)
     tiles: tuple | None = None  # BwdTiles fields; None: the module's table
     deterministic: bool = True  # False lets a tile entry with atomic_dq use the atomic path
+    group_splits: int | None = None  # forces the dK/dV group split; None: the launcher's choice
 
     @property
     def varlen(self):
@@ -136,13 +137,14 @@ def reference(inputs, params, dtype):
         **reference_kwargs(params))
 
 
-def run_kernels(bwd, inputs, params, out, lse, tiles=None):
+def run_kernels(bwd, inputs, params, out, lse, tiles=None, group_splits=None):
     """The kernels into NaN-poisoned destinations; returns dq, dk, dv (and ds_aux)."""
     return run_backward(bwd, inputs["dout"], inputs["q"], inputs["k"], inputs["v"], out, lse,
                         params=params, cu_seqlens_q=inputs["cu_seqlens_q"],
                         cu_seqlens_k=inputs["cu_seqlens_k"], s_aux=inputs["s_aux"],
                         alibi_slopes=inputs["alibi_slopes"],
-                        tiles=None if tiles is None else bwd.BwdTiles(*tiles))
+                        tiles=None if tiles is None else bwd.BwdTiles(*tiles),
+                        group_splits=group_splits)
 
 
 def check_case(bwd, attn_params, device, case: Case, dtype=torch.float16, seed=0):
@@ -152,7 +154,7 @@ def check_case(bwd, attn_params, device, case: Case, dtype=torch.float16, seed=0
     ref64, lowp = reference(inputs, params, torch.float64), reference(inputs, params, dtype)
     # The backward's forward inputs as a forward kernel would hand them over.
     out, lse = ref64["out"].to(dtype).contiguous(), ref64["lse"].to(torch.float32).contiguous()
-    ours = run_kernels(bwd, inputs, params, out, lse, case.tiles)
+    ours = run_kernels(bwd, inputs, params, out, lse, case.tiles, case.group_splits)
     for name, value in ours.items():
         assert value.dtype == (torch.float32 if name == "ds_aux" else dtype), name
     assert_each_close(ours, ref64, lowp)
@@ -298,6 +300,126 @@ def test_bitwise_deterministic(bwd, attn_params, device):
         assert torch.equal(first[name], second[name]), name
 
 
+# ---------------------------------------------------------------------------------------------
+# The dK/dV group split ([Note: group split]): forced, so that small interpreter grids take
+# it; each part's fp32 partial is summed afterwards, and a wrong slice, a lost part or a part
+# counted twice moves dK/dV by a whole query head's contribution, far past the tolerance.
+# ---------------------------------------------------------------------------------------------
+
+
+def record_group_splits(monkeypatch, bwd) -> list:
+    """The GROUP_SPLITS of every dK/dV launch from now on."""
+    splits = []
+    kernel = bwd._bwd_dkdv_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                splits.append(kwargs["GROUP_SPLITS"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+    monkeypatch.setattr(bwd, "_bwd_dkdv_kernel", Recording())
+    return splits
+
+
+GQA4_FULL = Case(heads=GQA4, sizes=(37, 53))
+SPLIT_CASES = {  # (case, forced splits)
+    "mqa_causal_split2": (CASES["mqa_causal_sq_gt_sk"], 2),
+    "mqa_causal_split4": (CASES["mqa_causal_sq_gt_sk"], 4),
+    "mqa_causal_unsplit": (CASES["mqa_causal_sq_gt_sk"], 1),
+    "mqa_full_split4": (Case(heads=MQA, sizes=(45, 70)), 4),
+    "gqa4_full_split2": (GQA4_FULL, 2),
+    "gqa4_full_split4": (GQA4_FULL, 4),
+    "gqa4_causal_split4": (CASES["gqa4_causal_sq_lt_sk"], 4),
+    "gqa4_window_split2": (CASES["window_wide_gqa4"], 2),
+    "gqa4_softcap_split2": (CASES["softcap_gqa4_causal"], 2),
+    "gqa4_dropout_split4": (CASES["dropout_gqa4_causal_seed64"], 4),
+    "gqa4_transposed_split2": (CASES["transposed_gqa4_strided_dout"], 2),
+    "mqa_alibi_batch_split2": (CASES["alibi_batch_causal_mqa"], 2),
+    "mqa_decode_sq1_split4": (CASES["sq1_sk2_mqa"], 4),
+    "varlen_mqa_sink_split4": (CASES["varlen_mqa_sink"], 4),
+    "varlen_mqa_sink_unsplit": (CASES["varlen_mqa_sink"], 1),
+    "varlen_gqa2_causal_split2": (CASES["varlen_gqa2_causal"], 2),
+    "varlen_gqa4_window_split4": (CASES["varlen_transposed_window_gqa4"], 4),
+    "varlen_everything_group6_split2": (dataclasses.replace(CASES["everything_varlen"],
+                                                           heads=(6, 1)), 2),
+    "odd_130x17_mqa_large_tiles_split4": (CASES["odd_130x17_full"], 4),
+    "d128_causal_mqa_split2": (CASES["d128_causal_mqa"], 2),
+    "d256_sink_split2": (CASES["d256_sink"], 2),
+}
+SPLIT_CI_CASES = {"mqa_causal_split4", "gqa4_full_split2", "varlen_mqa_sink_split4"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.kernels_ci)
+                                  if name in SPLIT_CI_CASES else name for name in SPLIT_CASES])
+def test_group_split(bwd, attn_params, device, monkeypatch, name):
+    case, splits = SPLIT_CASES[name]
+    launched = record_group_splits(monkeypatch, bwd)
+    check_case(bwd, attn_params, device, dataclasses.replace(case, group_splits=splits))
+    assert launched == [splits]
+
+
+@pytest.mark.parametrize("name", ["gqa4_causal_split4", "varlen_everything_group6_split2"])
+def test_group_split_with_atomic_dq(bwd, attn_params, device, name):
+    """Each part adds the dQ of its own query heads with atomics, beside its dK/dV partial."""
+    case, splits = SPLIT_CASES[name]
+    check_case(bwd, attn_params, device, dataclasses.replace(
+        case, tiles=ATOMIC_TILES, deterministic=False, group_splits=splits))
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("layout", ["contiguous", "varlen"])
+def test_group_split_bitwise_deterministic(bwd, attn_params, device, layout):
+    """A split run twice gives bitwise equal gradients: the partial sum has a fixed order."""
+    case = Case(heads=GQA4, sizes=(33, 47), causal=True, sink=True, dropout_p=0.2, seed=3,
+                batch=1, layout=layout, group_splits=4)
+    inputs, params, out, lse, first = check_case(bwd, attn_params, device, case)
+    second = run_kernels(bwd, inputs, params, out, lse, group_splits=case.group_splits)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+def test_group_split_choice(bwd):
+    """The smallest power of two dividing the group that reaches DKDV_WAVES programs per SM,
+    capped by the group; never a split once the grid is large enough."""
+    waves = bwd.DKDV_WAVES
+    choose = bwd.dkdv_group_splits
+    assert choose(128, 32, 132) == 8  # MQA 32/1, 16k tokens, BLOCK_N=128, on an H200
+    assert choose(32, 32, 132) == 32  # capped by the group
+    assert choose(256, 4, 132) == 4
+    assert choose(waves * 132, 32, 132) == 1
+    assert choose(10, 1, 132) == 1  # MHA
+    assert choose(10, 3, 132) == 1  # no power of two divides an odd group
+    assert choose(10, 6, 132) == 2
+    for programs, group in itertools.product((1, 7, 64, 128, 300, 529, 5000), (1, 2, 8, 32)):
+        splits = choose(programs, group, 132)
+        assert group % splits == 0 and splits & (splits - 1) == 0
+        if splits > 1:  # the peak-memory bound of the note: the smaller split fell short
+            assert programs * splits // 2 < waves * 132 <= programs * splits or splits == group
+
+
+def test_group_split_default_follows_sm_count(bwd, attn_params, device, monkeypatch):
+    """Without a forced split the launcher asks dkdv_group_splits with the device's SM count
+    (fixed under the interpreter): an MQA grid of 2 programs splits, MHA does not."""
+    launched = record_group_splits(monkeypatch, bwd)
+    check_case(bwd, attn_params, device, CASES["mqa_causal_sq_gt_sk"])
+    check_case(bwd, attn_params, device, CASES["mha_full"])
+    sms = bwd._sm_count(device)
+    assert launched == [bwd.dkdv_group_splits(2, 4, sms), 1]
+    assert device.type == "cuda" or launched[0] > 1
+
+
+def test_group_split_must_divide_the_group(bwd, attn_params, device):
+    torch.manual_seed(0)
+    case = Case(heads=GQA4, sizes=(5, 7), batch=1)
+    inputs = make_inputs(case, torch.float16, device)
+    params = make_params(attn_params, case, inputs)
+    ref64 = reference(inputs, params, torch.float64)
+    with pytest.raises(ValueError, match="group_splits must divide Hq // Hkv = 4; got 3"):
+        run_kernels(bwd, inputs, params, ref64["out"].half(), ref64["lse"].float(),
+                    group_splits=3)
+
+
 def test_keys_nobody_sees_get_zero_gradients(bwd, attn_params, device):
     """A causal Sq < Sk band leaves keys past the last diagonal unseen: exact zeros, no NaN;
     rows with lse = -inf (Sq > Sk) contribute nothing."""
@@ -361,19 +483,24 @@ def ptxas_usage(ptx, arch):
 for arch, name, tma in ((90, "sm90", False), (90, "sm90", True), (80, "sm80", False)):
     for head_dim in (64, 128):
         tiles = bwd.TILES[(name, head_dim)]
-        for kernel, kind in ((bwd._bwd_dkdv_kernel, "dkdv"), (bwd._bwd_dq_kernel, "dq")):
+        # the dK/dV kernel also with a group split (fp32 partial stores) on sm90 pointers
+        splits = (1, 2) if (arch, tma) == (90, False) else (1,)
+        variants = [(bwd._bwd_dkdv_kernel, "dkdv", dict(GROUP_SPLITS=s)) for s in splits]
+        for kernel, kind, extra in variants + [(bwd._bwd_dq_kernel, "dq", {})]:
             flags = dict(HEAD_DIM=head_dim - 8, BLOCK_D=head_dim, GROUP=4, IS_VARLEN=True,
                          HAS_WINDOW_LEFT=True, HAS_WINDOW_RIGHT=True, SOFTCAP=True,
                          HAS_ALIBI=True, DROPOUT=True, BLOCK_M=getattr(tiles, kind + "_block_m"),
                          BLOCK_N=getattr(tiles, kind + "_block_n"),
-                         TMA=tma or getattr(tiles, kind + "_tma"))
+                         TMA=tma or getattr(tiles, kind + "_tma"), **extra)
+            fp32 = {"LSE", "DELTA", "ALIBI"} | ({"DK", "DV"} if extra.get("GROUP_SPLITS", 1) > 1
+                                                else set())
             signature = {}
             for arg in kernel.arg_names:
                 if arg in flags:
                     signature[arg] = "constexpr"
                 elif arg.isupper():
                     signature[arg] = ("*i32" if arg.startswith("CU_") else
-                                      "*fp32" if arg in ("LSE", "DELTA", "ALIBI") else "*bf16")
+                                      "*fp32" if arg in fp32 else "*bf16")
                 else:
                     signature[arg] = "fp32" if arg in FLOATS else "i32"
             options = dict(num_warps=getattr(tiles, kind + "_warps"),
@@ -381,7 +508,7 @@ for arch, name, tma in ((90, "sm90", False), (90, "sm90", True), (80, "sm80", Fa
             compiled = triton.compile(ASTSource(kernel, signature, flags),
                                       target=GPUTarget("cuda", arch, 32), options=options)
             assert compiled.asm["cubin"], (arch, head_dim, kind)
-            print(f"{name} D={head_dim - 8} {kind} tma={flags['TMA']} "
+            print(f"{name} D={head_dim - 8} {kind} tma={flags['TMA']} {extra} "
                   f"{flags['BLOCK_M']}x{flags['BLOCK_N']} {options}: "
                   f"{compiled.metadata.shared} B shared memory, "
                   f"{ptxas_usage(compiled.asm['ptx'], arch)}")
@@ -411,6 +538,9 @@ GPU_CASES = {
     "gqa_softcap_sink_dropout": Case(heads=(16, 4), sizes=(513, 513), head_dim=96,
                                      causal=True, softcap=30.0, sink=True, dropout_p=0.1,
                                      seed=42, alibi="head"),
+    # 2048 / 128 * 2 = 32 dK/dV programs: the launcher splits the group (GROUP_SPLITS > 1)
+    "mqa_32_1_causal_group_split": Case(heads=(32, 1), sizes=(2048, 2048), head_dim=128,
+                                        causal=True),
 }
 
 
@@ -426,16 +556,24 @@ def test_gpu_realistic(bwd, attn_params, name, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_no_query_head_sized_buffers(bwd, attn_params):
-    """GQA 32/8 backward allocates only the fp32 DELTA (lse-sized): no (.., Hq, D) dK/dV."""
-    case = Case(heads=(32, 8), sizes=(2048, 2048), head_dim=128, causal=True, batch=2)
+@pytest.mark.parametrize("heads,group_splits", [((32, 8), 1), ((32, 1), None)],
+                         ids=["gqa_32_8_unsplit", "mqa_32_1_split"])
+def test_gpu_no_query_head_sized_buffers(bwd, attn_params, monkeypatch, heads, group_splits):
+    """Without a group split the backward allocates only the fp32 DELTA (lse-sized): no
+    (.., Hq, D) dK/dV. With one, it adds the fp32 partials (2 x GROUP_SPLITS x K-size) and one
+    K-size fp32 sum at a time ([Note: group split])."""
+    case = Case(heads=heads, sizes=(2048, 2048), head_dim=128, causal=True, batch=2)
     torch.manual_seed(0)
     inputs = make_inputs(case, torch.bfloat16, torch.device("cuda"))
     params = make_params(attn_params, case, inputs)
     q = inputs["q"]
     out = torch.randn_like(q).contiguous()
     lse = torch.randn(q.shape[0], q.shape[2], q.shape[1], device=q.device)
-    run_kernels(bwd, inputs, params, out, lse)  # compile outside the measurement
+    with monkeypatch.context() as patch:  # compile outside the measurement, learn the split
+        launched = record_group_splits(patch, bwd)
+        run_kernels(bwd, inputs, params, out, lse, group_splits=group_splits)
+    splits = launched[0]
+    assert (splits == 1) == (group_splits == 1), splits
     grads = dict(dq=torch.empty_like(q, memory_format=torch.contiguous_format),
                  dk=torch.empty_like(inputs["k"], memory_format=torch.contiguous_format),
                  dv=torch.empty_like(inputs["v"], memory_format=torch.contiguous_format))
@@ -444,7 +582,9 @@ def test_gpu_no_query_head_sized_buffers(bwd, attn_params):
     before = torch.cuda.memory_allocated()
     bwd.backward(inputs["dout"], q, inputs["k"], inputs["v"], out, lse, grads["dq"],
                  grads["dk"], grads["dv"], None, cu_seqlens_q=None, cu_seqlens_k=None,
-                 s_aux=None, alibi_slopes=None, params=params)
+                 s_aux=None, alibi_slopes=None, params=params, group_splits=group_splits)
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
-    assert extra <= 2 * lse.numel() * 4 + (1 << 20), f"backward allocated {extra} bytes"
+    partials = 0 if splits == 1 else (2 * splits + 1) * inputs["k"].numel() * 4
+    assert extra <= 2 * lse.numel() * 4 + partials + (1 << 20), \
+        f"backward allocated {extra} bytes with GROUP_SPLITS={splits}"

@@ -6,6 +6,7 @@ Glossary (see also ``_triton_common``):
   LSE                forward log-sum-exp, natural log, float32, sink included
   DELTA              rowsum(DO * O), float32, laid out like LSE
   B, Hq, Hkv, GROUP  batch, query heads, kv heads, Hq // Hkv (kv head = h // GROUP)
+  GROUP_SPLITS       parts a kv head's GROUP query heads are split into across dK/dV programs
   P, dP, dS          probabilities, their gradient, the score gradient (natural units)
   HEAD_DIM, BLOCK_D  D and its padded tile width max(16, next_pow2(D)), masked when wider
   DKDV_BLOCK_M/N     query rows per step / keys owned, in the dK/dV kernel
@@ -19,11 +20,17 @@ Three launches:
   2. ``_bwd_dkdv_kernel``: one program owns DKDV_BLOCK_N keys of one (batch, KV head). It loops
      over the GROUP query heads of that kv head and, per head, over the query blocks of the
      causal / window band, accumulating dK and dV in registers. The GQA reduction happens
-     there, so no (.., Hq, D)-sized dK/dV buffer and no reduction op ever exist.
+     there, so no (.., Hq, D)-sized dK/dV buffer ever exists. When that grid is too small to
+     fill the GPU (MQA, high GQA ratios), the group is split across GROUP_SPLITS programs per
+     key block, each looping over GROUP / GROUP_SPLITS heads and storing fp32 partial dK/dV
+     into a (GROUP_SPLITS, ..K/V shape..) buffer that one torch sum per gradient reduces in
+     a fixed order ([Note: group split], ``dkdv_group_splits``). GROUP_SPLITS = 1, the common
+     case, stores dK and dV directly: no buffer, no reduction op.
   3. ``_bwd_dq_kernel``: one program owns DQ_BLOCK_M queries of one (batch, query head) and
      loops over the band's key blocks, recomputing P from LSE.
-With ``deterministic=True`` every output element is written by exactly one program in a fixed
-order, so gradients are bitwise reproducible run to run. Otherwise, where the tile entry says
+With ``deterministic=True`` every output element (and every partial) is written by exactly one
+program, and partials are summed in a fixed order, so gradients are bitwise reproducible run to
+run (for a given GROUP_SPLITS: the split depends on the SM count and the shape). Otherwise, where the tile entry says
 ``atomic_dq``, launch 3 is skipped: the dK/dV kernel also forms ``dS K`` for each query block
 it visits and adds it into an fp32 dQ buffer with atomics ([Note: atomic dQ]).
 
@@ -190,17 +197,23 @@ def _bwd_dkdv_kernel(
         Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI,
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
-        stride_dkb, stride_dks, stride_dkh, stride_dqb, stride_dqs, stride_dqh,
+        stride_dkb, stride_dks, stride_dkh, stride_dkp, stride_dqb, stride_dqs, stride_dqh,
         stride_lb, stride_lh, stride_ls, stride_ab,
         seqlen_q_batched, seqlen_k_batched, num_heads_q,
         softmax_scale, qk_scale, softcap_log2, window_left, window_right,
         threshold, seed_lo, seed_hi, dropout_rescale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr,
-        HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-        HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr,
-        ATOMIC_DQ: tl.constexpr):
-    pid_n = tl.program_id(0)
+        BLOCK_N: tl.constexpr, GROUP: tl.constexpr, GROUP_SPLITS: tl.constexpr,
+        IS_VARLEN: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
+        SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+        TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+    if GROUP_SPLITS == 1:
+        pid_n = tl.program_id(0)
+    else:
+        # The GROUP_SPLITS programs of one key block are adjacent in launch order: they run
+        # together (sharing the K/V tile in L2) and the heaviest causal key blocks go first.
+        pid_n = tl.program_id(0) // GROUP_SPLITS
+        split = tl.program_id(0) % GROUP_SPLITS
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
     if IS_VARLEN:
@@ -239,8 +252,12 @@ def _bwd_dkdv_kernel(
     lo, full_lo, full_hi, hi = query_block_range(n_first, n_last, seqlen_q, seqlen_k,
                                                  window_left, window_right, BLOCK_M,
                                                  HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
-    for g in range(GROUP):
-        head = kv_head * GROUP + g
+    if GROUP_SPLITS == 1:
+        head_first = kv_head * GROUP
+    else:
+        head_first = kv_head * GROUP + split * (GROUP // GROUP_SPLITS)
+    for g in range(GROUP // GROUP_SPLITS):
+        head = head_first + g
         head64 = head.to(tl.int64)
         q_src = rows_source(Q + batch64 * stride_qb + head64 * stride_qh + q_row0 * stride_qs,
                             seqlen_q, stride_qs, BLOCK_M, HEAD_DIM, BLOCK_D, TMA)
@@ -275,6 +292,8 @@ def _bwd_dkdv_kernel(
 
     dk = dk * softmax_scale
     out_base = batch64 * stride_dkb + kv_head64 * stride_dkh + k_row0 * stride_dks
+    if GROUP_SPLITS > 1:
+        out_base += split.to(tl.int64) * stride_dkp  # this split's fp32 partial
     store_rows(DK + out_base, n_first, stride_dks, seqlen_k, dk.to(DK.dtype.element_ty),
                BLOCK_N, HEAD_DIM, BLOCK_D, False)
     store_rows(DV + out_base, n_first, stride_dks, seqlen_k, dv.to(DV.dtype.element_ty),
@@ -483,6 +502,39 @@ def tile_config(head_dim: int, device: torch.device, seqlen: int) -> BwdTiles:
     return TABLE.for_call(device, head_dim, seqlen)
 
 
+# [Note: group split] A dK/dV program owns one key block of one (batch, kv head) and loops over
+# that kv head's GROUP query heads. With few kv heads (MQA, high GQA ratios) that grid is small:
+# MQA at 16k tokens per batch has 4096 / 128 * 4 = 128 programs for an H200's 132 SMs, and
+# causal makes their work uneven, so most SMs idle through the long key blocks' tail (the H200
+# measured 0.87x SDPA flash for MQA causal against 1.32x without a mask). The launch then
+# splits each group into GROUP_SPLITS parts of GROUP / GROUP_SPLITS heads, one program per part,
+# and each part stores its fp32 dK/dV into its own slice of a (GROUP_SPLITS, ..K/V shape..)
+# buffer, summed over the split dim afterwards by torch (a fixed order, no atomics: still
+# bitwise reproducible). Peak memory: the buffer is GROUP_SPLITS x K-size fp32 for each of dK
+# and dV, which is acceptable because it only exists when K/V are small against Q: it holds at
+# most GROUP x K-size = Q-size elements per gradient, and since a split is only taken while the
+# grid falls short, GROUP_SPLITS x programs < 2 x DKDV_WAVES x SMs, i.e. at most
+# 2 * 4 * 132 * 128 * 128 * 4 B = 69 MB per gradient on an H200 at D=128, whatever the length.
+DKDV_WAVES = 4  # programs per SM the split aims for, untimed: enough to even out the causal tail
+INTERPRETER_SM_COUNT = 2  # under the interpreter: small test grids split, larger ones do not
+
+
+def dkdv_group_splits(programs: int, group: int, sm_count: int) -> int:
+    """Parts each kv head's query-head group is split into ([Note: group split]): the smallest
+    power of two dividing ``group`` that brings the dK/dV grid (``programs`` without a split) to
+    ``DKDV_WAVES * sm_count`` programs, or the largest such divisor when none does."""
+    splits = 1
+    while programs * splits < DKDV_WAVES * sm_count and group % (2 * splits) == 0:
+        splits *= 2
+    return splits
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_SM_COUNT
+
+
 def _sink_gradient(s_aux, lse, delta, varlen: bool) -> torch.Tensor:
     """``-sum_rows exp(s_aux[h] - lse) * delta`` per query head (fp32, deterministic)."""
     sink = s_aux.float()[:, None] if varlen else s_aux.float()[None, :, None]
@@ -493,13 +545,15 @@ def _sink_gradient(s_aux, lse, delta, varlen: bool) -> torch.Tensor:
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_seqlens_k, s_aux,
-             alibi_slopes, params: AttnParams, tiles: BwdTiles | None = None) -> None:
+             alibi_slopes, params: AttnParams, tiles: BwdTiles | None = None,
+             group_splits: int | None = None) -> None:
     """Write ``dq`` (like q), ``dk``/``dv`` (like k/v, summed over each kv head's query group)
     and ``ds_aux`` (float32 ``(Hq,)``, when ``s_aux`` is given).
 
     Batched: q ``(B, Sq, Hq, D)``, lse ``(B, Hq, Sq)``; varlen (``cu_seqlens_q`` given): q
     ``(Tq, Hq, D)``, lse ``(Hq, Tq)``. Inputs are validated by the caller. ``tiles`` overrides
-    the tile table (tests and the tuning script use it)."""
+    the tile table and ``group_splits`` the dK/dV launch's :func:`dkdv_group_splits` (a divisor
+    of Hq // Hkv; tests and the tuning script use them)."""
     shape = LaunchShape.of(q, k, cu_seqlens_q, params)
     assert shape.heads_q % shape.heads_kv == 0 and dout.stride(-1) == 1 and out.stride(-1) == 1
     assert dq.is_contiguous() and dk.is_contiguous() and dv.is_contiguous()
@@ -524,14 +578,30 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
     # fp32 dQ accumulator of the atomic path; the dQ kernel's output otherwise (never read)
     dq_acc = torch.zeros(dq.shape, device=dq.device, dtype=torch.float32) if atomic_dq else dq
     if has_k:
-        grid = (triton.cdiv(shape.max_seqlen_k, cfg.dkdv_block_n), shape.heads_kv, shape.batch)
+        key_blocks = triton.cdiv(shape.max_seqlen_k, cfg.dkdv_block_n)
+        group = flags["GROUP"]
+        if group_splits is None:
+            group_splits = dkdv_group_splits(key_blocks * shape.heads_kv * shape.batch, group,
+                                             _sm_count(q.device))
+        elif group_splits < 1 or group % group_splits:
+            raise ValueError(f"group_splits must divide Hq // Hkv = {group}; got {group_splits}")
+        if group_splits == 1:
+            dk_dst, dv_dst, split_stride = dk, dv, 0
+        else:  # [Note: group split]
+            partial = torch.empty((2, group_splits, *dk.shape), device=dk.device,
+                                  dtype=torch.float32)
+            dk_dst, dv_dst, split_stride = partial[0], partial[1], partial.stride(1)
+        grid = (key_blocks * group_splits, shape.heads_kv, shape.batch)
         _bwd_dkdv_kernel[grid](
-            q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-            *strides, *shape.seq_strides(dk), *shape.seq_strides(dq_acc),
-            *shape.lse_strides(lse), **scalars,
-            BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
+            q, k, v, dout, lse, delta, dk_dst, dv_dst, dq_acc, cu_seqlens_q, cu_seqlens_k,
+            alibi_slopes, *strides, *shape.seq_strides(dk), split_stride,
+            *shape.seq_strides(dq_acc), *shape.lse_strides(lse), **scalars,
+            BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, GROUP_SPLITS=group_splits,
             TMA=use_tma(cfg.dkdv_tma, q.device, shape, q, k, v, dout), ATOMIC_DQ=atomic_dq,
             num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **flags)
+        if group_splits > 1:
+            dk.copy_(dk_dst.sum(dim=0))
+            dv.copy_(dv_dst.sum(dim=0))
     if atomic_dq:
         dq.copy_(dq_acc)
     elif has_q:
