@@ -30,7 +30,7 @@ Three launches:
      loops over the band's key blocks, recomputing P from LSE.
 With ``deterministic=True`` every output element (and every partial) is written by exactly one
 program, and partials are summed in a fixed order, so gradients are bitwise reproducible run to
-run (for a given GROUP_SPLITS: the split depends on the SM count and the shape). Otherwise, where the tile entry says
+run (on one GPU model: GROUP_SPLITS follows the SM count). Otherwise, where the tile entry says
 ``atomic_dq``, launch 3 is skipped: the dK/dV kernel also forms ``dS K`` for each query block
 it visits and adds it into an fp32 dQ buffer with atomics ([Note: atomic dQ]).
 
@@ -505,8 +505,9 @@ def tile_config(head_dim: int, device: torch.device, seqlen: int) -> BwdTiles:
 # [Note: group split] A dK/dV program owns one key block of one (batch, kv head) and loops over
 # that kv head's GROUP query heads. With few kv heads (MQA, high GQA ratios) that grid is small:
 # MQA at 16k tokens per batch has 4096 / 128 * 4 = 128 programs for an H200's 132 SMs, and
-# causal makes their work uneven, so most SMs idle through the long key blocks' tail (the H200
-# measured 0.87x SDPA flash for MQA causal against 1.32x without a mask). The launch then
+# causal makes their work uneven (the first key block sees every query, the last a few), so
+# SMs sit idle while the longest programs finish (the H200 measured 0.87x SDPA flash for MQA
+# causal against 1.32x without a mask). The launch then
 # splits each group into GROUP_SPLITS parts of GROUP / GROUP_SPLITS heads, one program per part,
 # and each part stores its fp32 dK/dV into its own slice of a (GROUP_SPLITS, ..K/V shape..)
 # buffer, summed over the split dim afterwards by torch (a fixed order, no atomics: still
@@ -514,7 +515,8 @@ def tile_config(head_dim: int, device: torch.device, seqlen: int) -> BwdTiles:
 # and dV, which is acceptable because it only exists when K/V are small against Q: it holds at
 # most GROUP x K-size = Q-size elements per gradient, and since a split is only taken while the
 # grid falls short, GROUP_SPLITS x programs < 2 x DKDV_WAVES x SMs, i.e. at most
-# 2 * 4 * 132 * 128 * 128 * 4 B = 69 MB per gradient on an H200 at D=128, whatever the length.
+# 2 * 4 * 132 * 128 * 128 * 4 B = 69 MB per gradient on an H200 at D=128, whatever the length
+# (plus one K-size fp32 sum at a time).
 DKDV_WAVES = 4  # programs per SM the split aims for, untimed: enough to even out the causal tail
 INTERPRETER_SM_COUNT = 2  # under the interpreter: small test grids split, larger ones do not
 
@@ -553,7 +555,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
     Batched: q ``(B, Sq, Hq, D)``, lse ``(B, Hq, Sq)``; varlen (``cu_seqlens_q`` given): q
     ``(Tq, Hq, D)``, lse ``(Hq, Tq)``. Inputs are validated by the caller. ``tiles`` overrides
     the tile table and ``group_splits`` the dK/dV launch's :func:`dkdv_group_splits` (a divisor
-    of Hq // Hkv; tests and the tuning script use them)."""
+    of Hq // Hkv; tests use both)."""
     shape = LaunchShape.of(q, k, cu_seqlens_q, params)
     assert shape.heads_q % shape.heads_kv == 0 and dout.stride(-1) == 1 and out.stride(-1) == 1
     assert dq.is_contiguous() and dk.is_contiguous() and dv.is_contiguous()
