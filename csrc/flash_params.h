@@ -59,8 +59,39 @@ enum class FwdStatus : int {
   kLaunchFailed,      // the CUDA runtime refused (the message says why)
 };
 
+// The backward's record: the forward's fields (q, k, v, out, lse and the shape) plus the
+// gradients and the fp32 workspaces.
+//
+// [Note] Backward workspaces
+// lse2, delta and dq_acc are indexed by a padded row: every sequence starts on a multiple of
+// kBlockM (64) rows and owns whole 64-row blocks, so one step of the main kernel reads one
+// aligned 256-byte run of lse2 and of delta. Batched: row (b * Hq + h) * ws_rows + i with
+// ws_rows = Sq rounded up to 64. Varlen: row h * ws_rows + start_b + i with
+// start_b = (cu_seqlens_q[b] + 64 * b) / 64 * 64 and ws_rows = Tq + 64 * B rounded up to 64.
+// lse2 = lse * log2(e) (+inf where lse is -inf and on padding rows, so their P is 0); delta =
+// rowsum(dO * O) (0 on padding rows); dq_acc (ws rows x head_dim, zeroed by the caller) sums
+// dS K over all key blocks and is scaled and cast into dq at the end.
+struct FlashBwdParams {
+  FlashParams fwd;
+  const void* dout;
+  int64_t dout_batch_stride, dout_row_stride, dout_head_stride;
+  void* dq;
+  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
+  void* dk;
+  void* dv;
+  int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+  int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+  float* dq_acc;
+  float* lse2;
+  float* delta;
+  int64_t ws_rows;
+};
+
 // Runs the sm90 forward on `stream` (a cudaStream_t). On failure returns the status and writes a
 // readable reason into `why` (at most why_len bytes, NUL-terminated).
 FwdStatus hopper_fwd(const FlashParams& params, void* stream, char* why, int why_len);
+
+// Runs the sm90 backward (preprocess, dK/dV/dQ kernel, dQ cast) on `stream`; same contract.
+FwdStatus hopper_bwd(const FlashBwdParams& params, void* stream, char* why, int why_len);
 
 }  // namespace flash

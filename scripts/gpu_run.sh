@@ -3,7 +3,7 @@
 # tests, benchmark against the peers, publish to an embedded Hub and load it
 # back, and train. Phases run in the order given (default: all but train):
 #
-#   bash scripts/gpu_run.sh [setup] [build] [cudafwd] [sanitize] [test] [tune] [bench] [hub] [train]
+#   bash scripts/gpu_run.sh [setup] [build] [cudafwd] [cudabwd] [sanitize] [test] [tune] [bench] [hub] [train]
 #
 # train loads ours from the embedded Hub that hub publishes to, so hub goes before it.
 #
@@ -64,6 +64,16 @@ for phase in "${phases[@]}"; do
       # The sm90 forward called directly, every feature against the float64 reference.
       run_phase cudafwd timeout "${CUDAFWD_TIMEOUT:-300}" python3 -m pytest -q -rfE \
         -p no:cacheprovider tests/test_cuda_fwd.py
+      ;;
+    cudabwd)
+      # The sm90 backward called directly: one smoke case first (a hang or a fault stops here),
+      # then every feature against the float64 reference.
+      run_phase cudabwd-smoke timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider \
+        tests/test_cuda_bwd.py -k "test_head_dims and bf16 and 128 and full"
+      if [[ $status -eq 0 ]]; then
+        run_phase cudabwd timeout "${CUDABWD_TIMEOUT:-300}" python3 -m pytest -q -rfE \
+          -p no:cacheprovider -n "${TEST_WORKERS:-12}" tests/test_cuda_bwd.py
+      fi
       ;;
     sanitize)
       for tool in memcheck racecheck synccheck; do

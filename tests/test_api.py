@@ -344,6 +344,7 @@ class _FakeCuda:
     def __init__(self, validated=True):
         self.calls = []
         self.VALIDATED = validated
+        self.BWD_VALIDATED = validated
 
     def supports(self, q, k, params, *, backward, varlen, alibi, sink):
         self.calls.append(dict(backward=backward, varlen=varlen, alibi=alibi, sink=sink))
@@ -391,6 +392,23 @@ def test_dispatch_auto_skips_unvalidated_cuda(dispatch, monkeypatch):
     assert fake.calls == []
     monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "cuda")
     assert _select(dispatch, "forward") == "_cuda"
+
+
+@pytest.mark.kernels_ci
+def test_dispatch_auto_skips_unvalidated_cuda_backward(dispatch, monkeypatch):
+    """A CUDA backward joins ``auto`` only with its own flag; ``cuda`` opts in before that."""
+    fake = _FakeCuda()
+    fake.BWD_VALIDATED = False
+    fake.supports = lambda *args, **kwargs: True
+    monkeypatch.setattr(dispatch, "_cuda", lambda: fake)
+    monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "auto")
+    assert _select(dispatch, "forward") == "_cuda"
+    assert _select(dispatch, "backward") == "_triton_bwd"
+    fake.BWD_VALIDATED = True
+    assert _select(dispatch, "backward") == "_cuda"
+    fake.BWD_VALIDATED = False
+    monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "cuda")
+    assert _select(dispatch, "backward") == "_cuda"
 
 
 @pytest.mark.kernels_ci

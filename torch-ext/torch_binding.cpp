@@ -1,5 +1,6 @@
-// torch stable-ABI binding of the CUDA extension: fills FlashParams once and calls the
-// dispatcher (csrc/hopper/fwd_dispatch.cu). Destination-passing: the caller allocates out/lse.
+// torch stable-ABI binding of the CUDA extension: fills FlashParams (FlashBwdParams) once and
+// calls the dispatcher (csrc/hopper/fwd_dispatch.cu, bwd_dispatch.cu). Destination-passing: the
+// caller allocates out/lse, and the gradients and workspaces of the backward.
 //
 // The Python side (_cuda.py) has already validated the user's inputs; the checks here guard the
 // op's own contract (it can be called directly through torch.ops) and name the argument.
@@ -54,55 +55,67 @@ GetStreamFn stream_getter() {
   return fn;
 }
 
-void* current_cuda_stream(int32_t device_index) {
+void* current_cuda_stream(const char* op, int32_t device_index) {
   const GetStreamFn get = stream_getter();
-  STD_TORCH_CHECK(get != nullptr,
-                  "hopper_fwd: the current CUDA stream is unavailable (libtorch_cuda is neither "
-                  "linked nor loaded)");
+  STD_TORCH_CHECK(get != nullptr, op,
+                  ": the current CUDA stream is unavailable (libtorch_cuda is neither linked nor "
+                  "loaded)");
   void* stream = nullptr;
-  STD_TORCH_CHECK(get(device_index, &stream) == AOTI_TORCH_SUCCESS,
-                  "hopper_fwd: could not get the current CUDA stream");
+  STD_TORCH_CHECK(get(device_index, &stream) == AOTI_TORCH_SUCCESS, op,
+                  ": could not get the current CUDA stream");
   return stream;
 }
 
-void check_input(const Tensor& t, const char* name, ScalarType dtype, int64_t dims) {
-  STD_TORCH_CHECK(t.is_cuda(), "hopper_fwd: ", name, " must be a CUDA tensor");
-  STD_TORCH_CHECK(t.scalar_type() == dtype, "hopper_fwd: ", name, " has the wrong dtype");
-  STD_TORCH_CHECK(t.dim() == dims, "hopper_fwd: ", name, " must have ", dims, " dims, got ",
-                  t.dim());
-  STD_TORCH_CHECK(t.stride(-1) == 1, "hopper_fwd: ", name, " must have stride(-1) == 1");
+void check_input(const char* op, const Tensor& t, const char* name, ScalarType dtype,
+                 int64_t dims) {
+  STD_TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor");
+  STD_TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " has the wrong dtype");
+  STD_TORCH_CHECK(t.dim() == dims, op, ": ", name, " must have ", dims, " dims, got ", t.dim());
+  STD_TORCH_CHECK(t.stride(-1) == 1, op, ": ", name, " must have stride(-1) == 1");
 }
 
-}  // namespace
-
-void hopper_fwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
-                std::optional<Tensor> cu_seqlens_q, std::optional<Tensor> cu_seqlens_k,
-                std::optional<Tensor> s_aux, int64_t max_seqlen_q, int64_t max_seqlen_k,
-                double scale, int64_t window_left, int64_t window_right, double softcap) {
-  const bool varlen = cu_seqlens_q.has_value();
-  STD_TORCH_CHECK(varlen == cu_seqlens_k.has_value(),
-                  "hopper_fwd: cu_seqlens_q and cu_seqlens_k must be given together");
-  const ScalarType dtype = q.scalar_type();
-  STD_TORCH_CHECK(dtype == ScalarType::BFloat16 || dtype == ScalarType::Half,
-                  "hopper_fwd: q must be bfloat16 or float16");
-  const int64_t dims = varlen ? 3 : 4;
-  check_input(q, "q", dtype, dims);
-  check_input(k, "k", dtype, dims);
-  check_input(v, "v", dtype, dims);
-  check_input(out, "out", dtype, dims);
-  check_input(lse, "lse", ScalarType::Float, varlen ? 2 : 3);
-  const int64_t d = q.size(-1);
-  STD_TORCH_CHECK(k.size(-1) == d && v.size(-1) == d && out.size(-1) == d,
-                  "hopper_fwd: q, k, v and out must share the head dim");
-  for (int64_t i = 0; i < dims; ++i) {
-    STD_TORCH_CHECK(out.size(i) == q.size(i), "hopper_fwd: out must have the shape of q");
-    STD_TORCH_CHECK(v.size(i) == k.size(i), "hopper_fwd: v must have the shape of k");
-    // the epilogue stores pairs of elements as 4-byte words
-    STD_TORCH_CHECK(out.stride(i) % 2 == 0 || i == dims - 1,
-                    "hopper_fwd: out strides must be even (out is normally contiguous)");
+// A tensor the kernels write as pairs of elements (4-byte words): even strides, 4-byte base.
+void check_pair_stores(const char* op, const Tensor& t, const char* name) {
+  for (int64_t i = 0; i + 1 < t.dim(); ++i) {
+    STD_TORCH_CHECK(t.stride(i) % 2 == 0, op, ": ", name,
+                    " strides must be even (it is normally contiguous)");
   }
-  STD_TORCH_CHECK(reinterpret_cast<uintptr_t>(out.const_data_ptr()) % 4 == 0,
-                  "hopper_fwd: out must be 4-byte aligned");
+  STD_TORCH_CHECK(reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 4 == 0, op, ": ", name,
+                  " must be 4-byte aligned");
+}
+
+void check_same_shape(const char* op, const Tensor& a, const char* a_name, const Tensor& b,
+                      const char* b_name) {
+  STD_TORCH_CHECK(a.dim() == b.dim(), op, ": ", a_name, " must have the shape of ", b_name);
+  for (int64_t i = 0; i < a.dim(); ++i) {
+    STD_TORCH_CHECK(a.size(i) == b.size(i), op, ": ", a_name, " must have the shape of ", b_name);
+  }
+}
+
+// The fields shared by the forward and the backward, checked and filled from the forward's
+// tensors (out and lse are the forward's outputs, or the backward's saved inputs).
+flash::FlashParams forward_params(const char* op, const Tensor& q, const Tensor& k,
+                                  const Tensor& v, const Tensor& out, const Tensor& lse,
+                                  const std::optional<Tensor>& cu_seqlens_q,
+                                  const std::optional<Tensor>& cu_seqlens_k,
+                                  int64_t max_seqlen_q, int64_t max_seqlen_k, double scale,
+                                  int64_t window_left, int64_t window_right, double softcap) {
+  const bool varlen = cu_seqlens_q.has_value();
+  STD_TORCH_CHECK(varlen == cu_seqlens_k.has_value(), op,
+                  ": cu_seqlens_q and cu_seqlens_k must be given together");
+  const ScalarType dtype = q.scalar_type();
+  STD_TORCH_CHECK(dtype == ScalarType::BFloat16 || dtype == ScalarType::Half, op,
+                  ": q must be bfloat16 or float16");
+  const int64_t dims = varlen ? 3 : 4;
+  check_input(op, q, "q", dtype, dims);
+  check_input(op, k, "k", dtype, dims);
+  check_input(op, v, "v", dtype, dims);
+  check_input(op, out, "out", dtype, dims);
+  check_input(op, lse, "lse", ScalarType::Float, varlen ? 2 : 3);
+  const int64_t d = q.size(-1);
+  STD_TORCH_CHECK(k.size(-1) == d && v.size(-1) == d, op, ": q, k and v must share the head dim");
+  check_same_shape(op, out, "out", q, "q");
+  check_same_shape(op, v, "v", k, "k");
 
   flash::FlashParams p{};
   p.q = q.const_data_ptr();
@@ -130,20 +143,20 @@ void hopper_fwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
   p.out_row_stride = out.stride(-3);
   p.out_head_stride = out.stride(-2);
   STD_TORCH_CHECK(p.heads_kv > 0 && p.heads_q % p.heads_kv == 0,
-                  "hopper_fwd: the query heads must be a multiple of the kv heads");
+                  op, ": the query heads must be a multiple of the kv heads");
 
   if (varlen) {
     const Tensor& cu_q = *cu_seqlens_q;
     const Tensor& cu_k = *cu_seqlens_k;
     STD_TORCH_CHECK(cu_q.is_cuda() && cu_q.scalar_type() == ScalarType::Int && cu_q.dim() == 1 &&
                         cu_q.is_contiguous(),
-                    "hopper_fwd: cu_seqlens_q must be a contiguous int32 CUDA vector");
+                    op, ": cu_seqlens_q must be a contiguous int32 CUDA vector");
     STD_TORCH_CHECK(cu_k.is_cuda() && cu_k.scalar_type() == ScalarType::Int &&
                         cu_k.numel() == cu_q.numel() && cu_k.is_contiguous(),
-                    "hopper_fwd: cu_seqlens_k must be a contiguous int32 CUDA vector like "
+                    op, ": cu_seqlens_k must be a contiguous int32 CUDA vector like "
                     "cu_seqlens_q");
     STD_TORCH_CHECK(lse.size(0) == p.heads_q && lse.size(1) == p.rows_q && lse.stride(1) == 1,
-                    "hopper_fwd: lse must be (Hq, Tq) with unit stride on Tq");
+                    op, ": lse must be (Hq, Tq) with unit stride on Tq");
     p.cu_seqlens_q = static_cast<const int32_t*>(cu_q.const_data_ptr());
     p.cu_seqlens_k = static_cast<const int32_t*>(cu_k.const_data_ptr());
     p.batch = static_cast<int>(cu_q.numel() - 1);
@@ -152,7 +165,7 @@ void hopper_fwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
     p.lse_head_stride = lse.stride(0);
   } else {
     p.batch = static_cast<int>(q.size(0));
-    STD_TORCH_CHECK(k.size(0) == p.batch, "hopper_fwd: k must have the batch size of q");
+    STD_TORCH_CHECK(k.size(0) == p.batch, op, ": k must have the batch size of q");
     p.seqlen_q = p.rows_q;
     p.seqlen_k = p.rows_k;
     p.q_batch_stride = q.stride(0);
@@ -161,33 +174,122 @@ void hopper_fwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
     p.out_batch_stride = out.stride(0);
     STD_TORCH_CHECK(lse.size(0) == p.batch && lse.size(1) == p.heads_q &&
                         lse.size(2) == p.rows_q && lse.stride(2) == 1,
-                    "hopper_fwd: lse must be (B, Hq, Sq) with unit stride on Sq");
+                    op, ": lse must be (B, Hq, Sq) with unit stride on Sq");
     p.lse_batch_stride = lse.stride(0);
     p.lse_head_stride = lse.stride(1);
   }
+  return p;
+}
+
+void launch_check(const char* op, flash::FwdStatus status, const char* why) {
+  STD_TORCH_CHECK(status == flash::FwdStatus::kOk, op, ": not supported here: ", why);
+}
+
+}  // namespace
+
+void hopper_fwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
+                std::optional<Tensor> cu_seqlens_q, std::optional<Tensor> cu_seqlens_k,
+                std::optional<Tensor> s_aux, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                double scale, int64_t window_left, int64_t window_right, double softcap) {
+  constexpr const char* op = "hopper_fwd";
+  flash::FlashParams p = forward_params(op, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                        max_seqlen_q, max_seqlen_k, scale, window_left,
+                                        window_right, softcap);
+  check_pair_stores(op, out, "out");
   if (s_aux.has_value()) {
     const Tensor& sink = *s_aux;
     STD_TORCH_CHECK(sink.is_cuda() && sink.scalar_type() == ScalarType::Float &&
                         sink.numel() == p.heads_q && sink.is_contiguous(),
-                    "hopper_fwd: s_aux must be a contiguous float32 CUDA vector of Hq logits");
+                    op, ": s_aux must be a contiguous float32 CUDA vector of Hq logits");
     p.s_aux = static_cast<const float*>(sink.const_data_ptr());
   }
-
   const int32_t device = q.get_device_index();
   torch::stable::accelerator::DeviceGuard guard(device);
   char why[256] = {0};
-  const flash::FwdStatus status = flash::hopper_fwd(p, current_cuda_stream(device), why, sizeof(why));
-  STD_TORCH_CHECK(status == flash::FwdStatus::kOk, "hopper_fwd: not supported here: ", why);
+  launch_check(op, flash::hopper_fwd(p, current_cuda_stream(op, device), why, sizeof(why)), why);
+}
+
+void hopper_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dq,
+                Tensor dk, Tensor dv, Tensor dq_acc, Tensor lse2, Tensor delta,
+                std::optional<Tensor> cu_seqlens_q, std::optional<Tensor> cu_seqlens_k,
+                int64_t max_seqlen_q, int64_t max_seqlen_k, double scale, int64_t window_left,
+                int64_t window_right, double softcap) {
+  constexpr const char* op = "hopper_bwd";
+  flash::FlashBwdParams b{};
+  b.fwd = forward_params(op, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, scale, window_left, window_right, softcap);
+  const flash::FlashParams& p = b.fwd;
+  const ScalarType dtype = q.scalar_type();
+  const int64_t dims = q.dim();
+  check_input(op, dout, "dout", dtype, dims);
+  check_input(op, dq, "dq", dtype, dims);
+  check_input(op, dk, "dk", dtype, dims);
+  check_input(op, dv, "dv", dtype, dims);
+  check_same_shape(op, dout, "dout", q, "q");
+  check_same_shape(op, dq, "dq", q, "q");
+  check_same_shape(op, dk, "dk", k, "k");
+  check_same_shape(op, dv, "dv", k, "k");
+  check_pair_stores(op, dk, "dk");
+  check_pair_stores(op, dv, "dv");
+  // workspaces: [Note] Backward workspaces in csrc/flash_params.h
+  const int64_t batch_rows = dims == 4 ? int64_t(p.batch) * p.heads_q : p.heads_q;
+  STD_TORCH_CHECK(lse2.is_cuda() && lse2.scalar_type() == ScalarType::Float &&
+                      lse2.dim() == 1 && lse2.is_contiguous() && lse2.numel() % batch_rows == 0,
+                  op, ": lse2 must be a contiguous float32 CUDA vector of whole workspace rows");
+  const int64_t ws_rows = lse2.numel() / batch_rows;
+  const int64_t need = dims == 4 ? (int64_t(p.seqlen_q) + 63) / 64 * 64
+                                 : (int64_t(p.rows_q) + 64 * int64_t(p.batch) + 63) / 64 * 64;
+  STD_TORCH_CHECK(ws_rows >= need && ws_rows % 64 == 0, op, ": lse2 has ", ws_rows,
+                  " rows per head, needs a multiple of 64 of at least ", need);
+  STD_TORCH_CHECK(delta.is_cuda() && delta.scalar_type() == ScalarType::Float &&
+                      delta.is_contiguous() && delta.numel() == lse2.numel(),
+                  op, ": delta must be a contiguous float32 CUDA vector like lse2");
+  STD_TORCH_CHECK(dq_acc.is_cuda() && dq_acc.scalar_type() == ScalarType::Float &&
+                      dq_acc.dim() == 2 && dq_acc.is_contiguous() &&
+                      dq_acc.size(0) == lse2.numel() && dq_acc.size(1) == q.size(-1),
+                  op, ": dq_acc must be a contiguous float32 CUDA (lse2 rows, head dim) matrix");
+
+  b.dout = dout.const_data_ptr();
+  b.dout_row_stride = dout.stride(-3);
+  b.dout_head_stride = dout.stride(-2);
+  b.dq = dq.mutable_data_ptr();
+  b.dq_row_stride = dq.stride(-3);
+  b.dq_head_stride = dq.stride(-2);
+  b.dk = dk.mutable_data_ptr();
+  b.dk_row_stride = dk.stride(-3);
+  b.dk_head_stride = dk.stride(-2);
+  b.dv = dv.mutable_data_ptr();
+  b.dv_row_stride = dv.stride(-3);
+  b.dv_head_stride = dv.stride(-2);
+  if (dims == 4) {
+    b.dout_batch_stride = dout.stride(0);
+    b.dq_batch_stride = dq.stride(0);
+    b.dk_batch_stride = dk.stride(0);
+    b.dv_batch_stride = dv.stride(0);
+  }
+  b.dq_acc = static_cast<float*>(dq_acc.mutable_data_ptr());
+  b.lse2 = static_cast<float*>(lse2.mutable_data_ptr());
+  b.delta = static_cast<float*>(delta.mutable_data_ptr());
+  b.ws_rows = ws_rows;
+  const int32_t device = q.get_device_index();
+  torch::stable::accelerator::DeviceGuard guard(device);
+  char why[256] = {0};
+  launch_check(op, flash::hopper_bwd(b, current_cuda_stream(op, device), why, sizeof(why)), why);
 }
 
 STABLE_TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("hopper_fwd(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, "
         "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? s_aux, int max_seqlen_q, "
         "int max_seqlen_k, float scale, int window_left, int window_right, float softcap) -> ()");
+  m.def("hopper_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor(d!) dq_acc, Tensor(e!) lse2, "
+        "Tensor(f!) delta, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, "
+        "int max_seqlen_k, float scale, int window_left, int window_right, float softcap) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CUDA, m) {
   m.impl("hopper_fwd", TORCH_BOX(&hopper_fwd));
+  m.impl("hopper_bwd", TORCH_BOX(&hopper_bwd));
 }
 
 // The Python module the generated _ops.py imports; it only has to exist (the ops register on

@@ -1,12 +1,15 @@
 """Generates the sm90 forward's per-instantiation sources from ONE table.
 
-The TILES table below is the single source of truth for the compiled head dims and their tiles.
+The TILES and BWD_TILES tables below are the single source of truth for the compiled head dims
+and their tiles.
 From it this script writes:
 
 * ``csrc/hopper/tile_sizes.h``          the C++ tile table (with the reasons as comments);
 * ``csrc/hopper/head_dims.h``           the head-dim list the dispatcher walks;
-* ``csrc/hopper/instantiations/*.cu``   one file per (dtype, head dim), so builds parallelise;
-* the generated block of ``torch-ext/flash_attn/_cuda.py`` (the Python capability table);
+* ``csrc/hopper/bwd_tile_sizes.h`` and ``bwd_head_dims.h``: the same for the backward (BWD_TILES);
+* ``csrc/hopper/instantiations/*.cu``   one file per (direction, dtype, head dim), so builds
+  parallelise;
+* the generated block of ``torch-ext/flash_attn/_cuda.py`` (the Python capability tables);
 * the ``src`` list of ``[kernel.flash_attn_cuda]`` in ``build.toml`` (when that section exists).
 
 Run ``python csrc/hopper/generate.py`` after editing TILES; ``--check`` exits 1 when any
@@ -30,6 +33,13 @@ TILES = {
     128: (128, 128, 2, "2 stages x (K+V) 32 KB + Q 32 KB = 160 KB; S and O accumulators 64 + 64 fp32 registers."),
     192: (128, 96, 2, "N=96: 2 stages x (K+V) 36 KB + Q 48 KB = 192 KB; N=128 would need 240 KB."),
     256: (128, 64, 2, "N=64: 2 stages x (K+V) 32 KB + Q 64 KB = 192 KB; O accumulator alone is 128 registers."),
+}
+# backward head dim: (kBlockM query rows per step, kBlockN keys per CTA, kStages, kDqSplits, reason)
+BWD_TILES = {
+    64: (64, 128, 2, 1, "K+V 32 KB + 2 stages x (Q+dO) 16 KB + dS 32 KB = 96 KB; dK+dV+dQ 32+32+32 registers."),
+    96: (64, 128, 2, 1, "K+V 48 KB + 2 stages x (Q+dO) 24 KB + dS 32 KB = 128 KB; dK+dV+dQ 48+48+48 registers."),
+    128: (64, 128, 2, 2, "K+V 64 KB + 2 stages x (Q+dO) 32 KB + dS 32 KB = 160 KB; dQ in two 64-column "
+                         "slices so dK+dV+dQ stay at 64+64+32 registers."),
 }
 DTYPES = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t"}
 FEATURES = [(False, False), (False, True), (True, False), (True, True)]  # (window, softcap)
@@ -55,6 +65,33 @@ def head_dims_h() -> str:
             "first entry >= d.\n#pragma once\n\n#define FLASH_HOPPER_FOR_EACH_HEAD_DIM(X) " + items + "\n")
 
 
+def bwd_tile_sizes_h() -> str:
+    rows = []
+    for d, (m, n, stages, splits, why) in BWD_TILES.items():
+        rows.append(f"// {why}\ntemplate <> struct BwdTileSize<{d}> {{ static constexpr int kBlockM = {m}, "
+                    f"kBlockN = {n}, kStages = {stages}, kDqSplits = {splits}; }};")
+    return (BANNER + "//\n// One row per compiled backward head dim: kBlockM query rows per step, kBlockN "
+            "keys per CTA,\n// kStages pipeline depth, kDqSplits column slices of the dQ GEMM, and why.\n"
+            "#pragma once\n\nnamespace flash::hopper {\n\ntemplate <int kHeadDim>\nstruct BwdTileSize;\n\n"
+            + "\n".join(rows) + "\n\n}  // namespace flash::hopper\n")
+
+
+def bwd_head_dims_h() -> str:
+    items = " ".join(f"X({d})" for d in BWD_TILES)
+    return (BANNER + "// Compiled backward head dims in increasing order; an input of head dim d runs "
+            "on the first entry >= d.\n#pragma once\n\n#define FLASH_HOPPER_FOR_EACH_BWD_HEAD_DIM(X) "
+            + items + "\n")
+
+
+def bwd_instantiation_cu(dtype: str, d: int) -> str:
+    element = DTYPES[dtype]
+    lines = [f"template FwdStatus run_bwd<{element}, {d}, {str(w).lower()}, {str(c).lower()}>(\n"
+             f"    const FlashBwdParams&, cudaStream_t, char*, int);" for w, c in FEATURES]
+    return (BANNER + f"// sm90 backward, {dtype}, head dim {d}: every (window, softcap) variant.\n"
+            '#include "../bwd_launch.h"\n\nnamespace flash::hopper {\n\n' + "\n".join(lines)
+            + "\n\n}  // namespace flash::hopper\n")
+
+
 def instantiation_cu(dtype: str, d: int) -> str:
     element = DTYPES[dtype]
     lines = [f"template FwdStatus run_fwd<{element}, {d}, {str(w).lower()}, {str(c).lower()}>(\n"
@@ -64,15 +101,17 @@ def instantiation_cu(dtype: str, d: int) -> str:
             + "\n\n}  // namespace flash::hopper\n")
 
 
-def instantiation_name(dtype: str, d: int) -> str:
-    return f"fwd_{dtype}_d{d}.cu"
+def instantiation_name(dtype: str, d: int, direction: str = "fwd") -> str:
+    return f"{direction}_{dtype}_d{d}.cu"
 
 
 def src_list() -> list[str]:
     headers = ["csrc/flash_params.h"] + sorted(
         f"csrc/hopper/{p.name}" for p in HERE.glob("*.h"))
-    sources = ["csrc/hopper/fwd_dispatch.cu"] + [
-        f"csrc/hopper/instantiations/{instantiation_name(t, d)}" for t in DTYPES for d in TILES]
+    sources = ["csrc/hopper/fwd_dispatch.cu", "csrc/hopper/bwd_dispatch.cu"] + [
+        f"csrc/hopper/instantiations/{instantiation_name(t, d)}" for t in DTYPES for d in TILES] + [
+        f"csrc/hopper/instantiations/{instantiation_name(t, d, 'bwd')}" for t in DTYPES
+        for d in BWD_TILES]
     return headers + sources
 
 
@@ -82,7 +121,9 @@ PY_END = "# END GENERATED"
 
 def cuda_py_block() -> str:
     dims = ", ".join(str(d) for d in TILES)
-    return f"{PY_BEGIN}\n_COMPILED_HEAD_DIMS = ({dims})\n{PY_END}"
+    bwd_dims = ", ".join(str(d) for d in BWD_TILES)
+    return (f"{PY_BEGIN}\n_COMPILED_HEAD_DIMS = ({dims})\n_COMPILED_BWD_HEAD_DIMS = ({bwd_dims})\n"
+            f"{PY_END}")
 
 
 def updated_cuda_py(text: str) -> str:
@@ -106,10 +147,13 @@ def updated_build_toml(text: str) -> str | None:
 
 
 def outputs() -> dict[Path, str]:
-    files = {HERE / "tile_sizes.h": tile_sizes_h(), HERE / "head_dims.h": head_dims_h()}
+    files = {HERE / "tile_sizes.h": tile_sizes_h(), HERE / "head_dims.h": head_dims_h(),
+             HERE / "bwd_tile_sizes.h": bwd_tile_sizes_h(), HERE / "bwd_head_dims.h": bwd_head_dims_h()}
     for t in DTYPES:
         for d in TILES:
             files[HERE / "instantiations" / instantiation_name(t, d)] = instantiation_cu(t, d)
+        for d in BWD_TILES:
+            files[HERE / "instantiations" / instantiation_name(t, d, "bwd")] = bwd_instantiation_cu(t, d)
     cuda_py = ROOT / "torch-ext" / "flash_attn" / "_cuda.py"
     if cuda_py.exists():
         files[cuda_py] = updated_cuda_py(cuda_py.read_text())

@@ -90,6 +90,31 @@ struct BandMask {
       }
     }
   }
+
+  // The backward's transposed tile: rows are keys (key0 = this thread's first key row), columns
+  // are queries (q0 = first query of the block plus 2 * (lane % 4)); invisible entries get value.
+  template <class Frag>
+  __device__ __forceinline__ void apply_transposed(Frag& s, int key0, int q0, float value) const {
+    constexpr int kGroups = frag_col_groups<Frag>();
+    CUTE_UNROLL
+    for (int c1 = 0; c1 < 2; ++c1) {
+      const int key = key0 + 8 * c1;
+      const bool key_ok = key < seqlen_k;
+      CUTE_UNROLL
+      for (int g = 0; g < kGroups; ++g) {
+        CUTE_UNROLL
+        for (int c0 = 0; c0 < 2; ++c0) {
+          const int q = q0 + 8 * g + c0;
+          bool ok = key_ok;
+          if constexpr (kWindow) {
+            if (left >= 0) ok &= key >= q + diag - left;
+            if (right >= 0) ok &= key <= q + diag + right;
+          }
+          if (!ok) s(cute::make_coord(c0, c1, g), 0, 0) = value;
+        }
+      }
+    }
+  }
 };
 
 template <bool kSoftcap>

@@ -3,8 +3,9 @@
 ``FLASH_ATTN_HUB_BACKEND`` (read on every call, so tests and users can switch it at run time):
 
 * ``auto`` (default): CUDA tensors go to Triton; CPU tensors go to ``_cpu``. The compiled
-  Hopper forward ``_cuda`` joins ``auto`` only once ``_cuda.VALIDATED`` is true, i.e. after it
-  has passed the GPU test matrix; until then it runs only when asked for with ``cuda``.
+  Hopper forward ``_cuda`` joins ``auto`` only once ``_cuda.VALIDATED`` is true, and its
+  backward once ``_cuda.BWD_VALIDATED`` is, i.e. after each has passed the GPU test matrix;
+  until then it runs only when asked for with ``cuda``.
 * ``triton``: the Triton kernels (``_triton_fwd`` / ``_triton_bwd``). On CPU tensors only under
   Triton's interpreter (``TRITON_INTERPRET=1``).
 * ``cuda``: the compiled backend for the forward, an error when it is missing or does not
@@ -90,8 +91,9 @@ def _choose(requested: str, direction: str, q, k, params: AttnParams, features: 
     if requested == "triton":
         return "triton", f"{ENV_BACKEND}=triton"
     cuda = _cuda()
-    if requested == "auto" and cuda is not None and not getattr(cuda, "VALIDATED", False):
-        return "triton", (f"the CUDA backend is not yet validated on a GPU; "
+    flag = "VALIDATED" if direction == "forward" else "BWD_VALIDATED"
+    if requested == "auto" and cuda is not None and not getattr(cuda, flag, False):
+        return "triton", (f"the CUDA {direction} is not yet validated on a GPU; "
                           f"{ENV_BACKEND}=cuda opts in")
     if cuda is not None and cuda.supports(q, k, params, backward=direction == "backward",
                                           **features):

@@ -537,7 +537,7 @@ def _sm_count(device: torch.device) -> int:
     return INTERPRETER_SM_COUNT
 
 
-def _sink_gradient(s_aux, lse, delta, varlen: bool) -> torch.Tensor:
+def sink_gradient(s_aux, lse, delta, varlen: bool) -> torch.Tensor:
     """``-sum_rows exp(s_aux[h] - lse) * delta`` per query head (fp32, deterministic)."""
     sink = s_aux.float()[:, None] if varlen else s_aux.float()[None, :, None]
     weight = torch.exp(sink - lse)
@@ -615,4 +615,4 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
             TMA=use_tma(cfg.dq_tma, q.device, shape, q, k, v, dout),
             num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, **flags)
     if ds_aux is not None:
-        ds_aux.copy_(_sink_gradient(s_aux, lse, delta, shape.varlen))
+        ds_aux.copy_(sink_gradient(s_aux, lse, delta, shape.varlen))

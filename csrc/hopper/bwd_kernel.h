@@ -1,0 +1,476 @@
+// sm90a backward attention: preprocess, one dK/dV/dQ kernel, dQ cast.
+//
+// Glossary
+//   CTA          one (key block of kBlockN keys, kv head, batch); its dK and dV stay in registers
+//                and are written once, so GQA's sum over the query heads of a kv head happens
+//                inside the CTA (no Hq-sized buffer, no reduction op)
+//   step         one (query head of the group, query block of kBlockM rows) the CTA visits
+//   producer     warpgroup 0: one elected thread issues the copy-engine loads of K and V (once)
+//                and of Q, dO, lse2, delta (per step, kStages deep)
+//   consumers    warpgroups 1 and 2, each owning 64 of the CTA's keys
+//   padded row   the workspace row of a query (see [Note] Backward workspaces in flash_params.h)
+//
+// Per step, each consumer computes (see bwd_traits.h for the GEMM shapes):
+//   S^T, dP^T          two SS GEMMs issued back to back
+//   P^T = exp2(S^T * scale_log2 - lse2)  (softcap: S^T holds t = tanh(scale * qk / cap) first)
+//   dV += P^T dO       RS GEMM, issued as soon as P^T is in registers
+//   dS^T = P^T * (dP^T - delta)          (softcap: times 1 - t^2)
+//   dK += dS^T Q       RS GEMM
+//   dS^T -> shared memory, then dQ_part = dS K_wg and fp32 atomic adds into dq_acc
+// The softmax scale (and the softcap chain rule's scale) is applied once: to dK in the epilogue
+// and to dQ in the cast kernel.
+//
+// [Note] Backward barrier protocol
+// bar_kv: count 1, the producer's one transaction for K and V. full[s]: count 1, one transaction
+// for Q, dO, lse2 and delta of a step. empty[s]: all consumer threads arrive once the GEMMs that
+// read Q and dO of the slot have retired (lse2 and delta are read into registers earlier). The
+// dS tile of a consumer has two buffers used alternately; a warpgroup-local named barrier
+// (kDsBarrier + consumer, 128 threads) orders its stores before the dQ GEMM reads it, and the
+// next step's barrier orders that GEMM's completion (waited by every thread) before the buffer
+// is written again two steps later.
+#pragma once
+
+#include "bwd_traits.h"
+#include "fwd_kernel.h"
+
+namespace flash::hopper {
+
+struct BwdArgs {
+  CUtensorMap tma_q;   // boxes of (chunk, kBlockM, 1, 1)
+  CUtensorMap tma_do;
+  CUtensorMap tma_k;   // boxes of (chunk, kBlockN, 1, 1)
+  CUtensorMap tma_v;
+  FlashBwdParams p;
+  float scale_log2;      // as FwdArgs
+  float scale_over_cap;
+  float grad_scale;      // softmax scale: dK and dQ are multiplied by it once
+};
+
+constexpr int kBwdProducerRegisters = 24;
+constexpr int kBwdConsumerRegisters = 240;  // 128 x 24 + 256 x 240 = 64512 <= 65536
+constexpr int kDsBarrier = 1;               // ids 1 and 2 (id 0 is __syncthreads)
+constexpr int kWorkspaceRows = 64;          // [Note] Backward workspaces
+
+__device__ __forceinline__ void warpgroup_barrier_sync(int id) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(128) : "memory");
+}
+
+// First padded row of (batch, head) in the workspaces.
+__device__ __forceinline__ int64_t workspace_row(const FlashBwdParams& p, int batch, int head) {
+  if (p.fwd.cu_seqlens_q != nullptr) {
+    const int64_t start = (int64_t(p.fwd.cu_seqlens_q[batch]) + kWorkspaceRows * batch) /
+                          kWorkspaceRows * kWorkspaceRows;
+    return int64_t(head) * p.ws_rows + start;
+  }
+  return (int64_t(batch) * p.fwd.heads_q + head) * p.ws_rows;
+}
+
+// Query blocks [m_min, m_max) holding a query that sees a key of [key_lo, key_hi].
+template <class Traits>
+__device__ __forceinline__ void query_block_range(const FlashParams& p, int key_lo, int key_hi,
+                                                  int seqlen_q, int seqlen_k, int& m_min,
+                                                  int& m_max) {
+  constexpr int M = Traits::kBlockM;
+  m_min = 0;
+  m_max = (seqlen_q + M - 1) / M;
+  if constexpr (Traits::kWindow) {
+    const int diag = seqlen_k - seqlen_q;
+    if (p.window_right >= 0) {
+      const int first_q = key_lo - diag - p.window_right;
+      m_min = first_q <= 0 ? 0 : first_q / M;
+    }
+    if (p.window_left >= 0) {
+      const int last_q = key_hi - diag + p.window_left;
+      m_max = min(m_max, last_q < 0 ? 0 : last_q / M + 1);
+    }
+  }
+}
+
+// delta = rowsum(dO * O) and lse2 = lse * log2(e) into the padded workspaces; one CTA per
+// (64-row block, query head, batch), one warp per 8 rows.
+template <class Element>
+__global__ void __launch_bounds__(256) bwd_prep_kernel(const __grid_constant__ FlashBwdParams p) {
+#if defined(FLASH_HOPPER_DEVICE_PASS)
+  const FlashParams& f = p.fwd;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const SeqInfo seq(f, batch);
+  const int block_row = blockIdx.x * kWorkspaceRows;
+  if (block_row >= seq.seqlen_q) return;
+  const int64_t ws = workspace_row(p, batch, head);
+  const Element* out = static_cast<const Element*>(f.out) + int64_t(batch) * f.out_batch_stride +
+                       int64_t(head) * f.out_head_stride;
+  const Element* dout = static_cast<const Element*>(p.dout) + int64_t(batch) * p.dout_batch_stride +
+                        int64_t(head) * p.dout_head_stride;
+  const float* lse = f.lse + int64_t(batch) * f.lse_batch_stride + int64_t(head) * f.lse_head_stride;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  for (int r = warp; r < kWorkspaceRows; r += 8) {
+    const int row = block_row + r;
+    float sum = 0.f;
+    float lse2 = INFINITY;
+    if (row < seq.seqlen_q) {
+      const int64_t tok = seq.q_start + row;
+      for (int c = lane; c < f.head_dim; c += 32) {
+        sum += float(out[tok * f.out_row_stride + c]) * float(dout[tok * p.dout_row_stride + c]);
+      }
+      const float l = lse[tok];
+      lse2 = l == -INFINITY ? INFINITY : l * kLog2e;
+    }
+    CUTE_UNROLL
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
+    if (lane == 0) {
+      p.delta[ws + row] = sum;
+      p.lse2[ws + row] = lse2;
+    }
+  }
+#endif
+}
+
+// dq = dq_acc * scale in q's dtype and dq's strides.
+template <class Element>
+__global__ void __launch_bounds__(256) bwd_dq_cast_kernel(const __grid_constant__ FlashBwdParams p,
+                                                          float scale) {
+#if defined(FLASH_HOPPER_DEVICE_PASS)
+  const FlashParams& f = p.fwd;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const SeqInfo seq(f, batch);
+  const int block_row = blockIdx.x * kWorkspaceRows;
+  if (block_row >= seq.seqlen_q) return;
+  const int64_t ws = workspace_row(p, batch, head);
+  Element* dq = static_cast<Element*>(p.dq) + int64_t(batch) * p.dq_batch_stride +
+                int64_t(head) * p.dq_head_stride;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  for (int r = warp; r < kWorkspaceRows; r += 8) {
+    const int row = block_row + r;
+    if (row >= seq.seqlen_q) break;
+    const float* acc = p.dq_acc + (ws + row) * f.head_dim;
+    Element* dst = dq + int64_t(seq.q_start + row) * p.dq_row_stride;
+    for (int c = lane; c < f.head_dim; c += 32) dst[c] = Element(acc[c] * scale);
+  }
+#endif
+}
+
+// Writes a 64-row accumulator (rows = this warpgroup's keys) to dst rows [row_lo, ...) in pairs.
+template <class Element, int D, class Frag>
+__device__ __forceinline__ void store_rows(const Frag& acc, float mul, Element* dst,
+                                           int64_t row_stride, int row0, int row_start,
+                                           int rows_valid, int head_dim, int col_lane) {
+  CUTE_UNROLL
+  for (int c1 = 0; c1 < 2; ++c1) {
+    const int row = row0 + 8 * c1;
+    if (row >= rows_valid) continue;
+    Element* out_row = dst + int64_t(row_start + row) * row_stride;
+    CUTE_UNROLL
+    for (int g = 0; g < D / 8; ++g) {
+      const int col = 8 * g + col_lane;
+      if (col < head_dim) {
+        __align__(4) Element pair[2] = {Element(acc(cute::make_coord(0, c1, g), 0, 0) * mul),
+                                        Element(acc(cute::make_coord(1, c1, g), 0, 0) * mul)};
+        *reinterpret_cast<uint32_t*>(out_row + col) = *reinterpret_cast<uint32_t*>(pair);
+      }
+    }
+  }
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_constant__ BwdArgs args) {
+#if defined(FLASH_HOPPER_DEVICE_PASS)
+  using namespace cute;
+  using Element = typename Traits::Element;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  constexpr int M = Traits::kBlockM, N = Traits::kBlockN, D = Traits::kHeadDim, S = Traits::kStages;
+  const FlashBwdParams& p = args.p;
+  const FlashParams& f = p.fwd;
+
+  const int n_block = blockIdx.x;  // causal: the first key blocks see the most queries, go first
+  const int kv_head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const SeqInfo seq(f, batch);
+  if (n_block * N >= seq.seqlen_k) return;  // varlen: this sequence is shorter than the grid
+  const int group = f.heads_q / f.heads_kv;
+  int m_min, m_max;
+  query_block_range<Traits>(f, n_block * N, min(n_block * N + N, seq.seqlen_k) - 1, seq.seqlen_q,
+                            seq.seqlen_k, m_min, m_max);
+  const int m_count = max(m_max - m_min, 0);
+  const int steps = group * m_count;
+
+  extern __shared__ char smem_raw[];
+  char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  Element* smem_k = reinterpret_cast<Element*>(smem);
+  Element* smem_v = reinterpret_cast<Element*>(smem + Traits::kOffsetV);
+  Element* smem_q = reinterpret_cast<Element*>(smem + Traits::kOffsetQ);
+  Element* smem_do = reinterpret_cast<Element*>(smem + Traits::kOffsetDo);
+  Element* smem_ds = reinterpret_cast<Element*>(smem + Traits::kOffsetDs);
+  float* smem_lse = reinterpret_cast<float*>(smem + Traits::kOffsetLse);
+  float* smem_delta = reinterpret_cast<float*>(smem + Traits::kOffsetDelta);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Traits::kOffsetBarriers);
+  uint64_t* bar_kv = bars;
+  uint64_t* full = bars + 1;
+  uint64_t* empty = full + S;
+
+  const int warpgroup = threadIdx.x / 128;
+  const int warp = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+
+  if (threadIdx.x == 0) {
+    Barrier::init(bar_kv, 1);
+    CUTE_UNROLL
+    for (int s = 0; s < S; ++s) {
+      Barrier::init(&full[s], 1);
+      Barrier::init(&empty[s], Traits::kConsumerThreads);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<kBwdProducerRegisters>();
+    if (warp != 0 || !elect_one_sync() || steps == 0) return;
+    prefetch_tma_descriptor(&args.tma_q);
+    prefetch_tma_descriptor(&args.tma_do);
+    prefetch_tma_descriptor(&args.tma_k);
+    prefetch_tma_descriptor(&args.tma_v);
+    const int key_row = seq.k_start + n_block * N;
+    Barrier::arrive_and_expect_tx(bar_kv, 2 * Traits::kTileBytesK);
+    load_tile<Traits>(&args.tma_k, bar_kv, smem_k, N, key_row, kv_head, seq.tma_batch);
+    load_tile<Traits>(&args.tma_v, bar_kv, smem_v, N, key_row, kv_head, seq.tma_batch);
+    PipelineState<Traits> st;
+    for (int j = 0; j < steps; ++j) {
+      const int head = kv_head * group + j / m_count;
+      const int m = m_min + j % m_count;
+      const int q_row = seq.q_start + m * M;
+      const int64_t ws = workspace_row(p, batch, head) + m * M;
+      Barrier::wait(&empty[st.stage], st.phase ^ 1u);
+      Barrier::arrive_and_expect_tx(&full[st.stage], 2 * Traits::kTileBytesQ + 2 * Traits::kRowBytes);
+      load_tile<Traits>(&args.tma_q, &full[st.stage], smem_q + st.stage * M * D, M, q_row, head,
+                        seq.tma_batch);
+      load_tile<Traits>(&args.tma_do, &full[st.stage], smem_do + st.stage * M * D, M, q_row, head,
+                        seq.tma_batch);
+      SM90_BULK_COPY_G2S::copy(p.lse2 + ws, &full[st.stage], smem_lse + st.stage * M,
+                               Traits::kRowBytes);
+      SM90_BULK_COPY_G2S::copy(p.delta + ws, &full[st.stage], smem_delta + st.stage * M,
+                               Traits::kRowBytes);
+      st.advance();
+    }
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<kBwdConsumerRegisters>();
+  const int wg = warpgroup - 1;
+  const int tid = threadIdx.x % 128;
+  typename Traits::MmaSdP mma_sdp;
+  typename Traits::MmaDkv mma_dkv;
+  typename Traits::MmaDq mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+
+  Tensor sK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutK{});
+  Tensor sKt = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKt{});
+  Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutQ{});
+  Tensor sDo = make_tensor(make_smem_ptr(smem_do), typename Traits::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutQt{});
+  Tensor sDot = make_tensor(make_smem_ptr(smem_do), typename Traits::SmemLayoutQt{});
+  Tensor sKw = local_tile(sK(_, _, 0), Shape<_64, Int<D>>{}, make_coord(wg, 0));
+  Tensor sVw = local_tile(sV(_, _, 0), Shape<_64, Int<D>>{}, make_coord(wg, 0));
+
+  Tensor tSrK = thr_sdp.partition_fragment_A(sKw);    // (MMA, 1, D/16)
+  Tensor tSrV = thr_sdp.partition_fragment_A(sVw);
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, 1, D/16, S)
+  Tensor tSrDo = thr_sdp.partition_fragment_B(sDo);
+  Tensor tKVrDo = thr_dkv.partition_fragment_B(sDot); // (MMA, 1, M/16, S)
+  Tensor tKVrQ = thr_dkv.partition_fragment_B(sQt);
+  Tensor tSrS = partition_fragment_C(mma_sdp, Shape<_64, Int<M>>{});
+  Tensor tSrDp = partition_fragment_C(mma_sdp, Shape<_64, Int<M>>{});
+  Tensor tSrT = make_fragment_like(tSrS);  // softcap's t; unused (and removed) otherwise
+  Tensor tDvrDv = partition_fragment_C(mma_dkv, Shape<_64, Int<D>>{});
+  Tensor tDkrDk = partition_fragment_C(mma_dkv, Shape<_64, Int<D>>{});
+  Tensor tPa = make_tensor<Element>(AOperandShape<M / 8>{});
+  Tensor tDsa = make_tensor<Element>(AOperandShape<M / 8>{});
+  Tensor tPa_words = recast<uint32_t>(tPa);
+  Tensor tDsa_words = recast<uint32_t>(tDsa);
+  static_assert(decltype(size<0, 2>(tSrS))::value == M / 8, "accumulator layout ((2,2,M/8),1,1)");
+
+  const int key_lo = n_block * N + wg * Traits::kKeysPerWarpgroup;  // this warpgroup's keys
+  const int key0 = key_lo + 16 * warp + lane / 4;                   // this thread's first key
+  const int col_lane = 2 * (lane % 4);
+  const BandMask<Traits::kWindow> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, f.window_left,
+                                       f.window_right};
+  const ScoreMod<Traits::kSoftcap> score_mod{args.scale_over_cap};
+  clear(tDvrDv);
+  clear(tDkrDk);
+
+  if (steps > 0) {
+    Barrier::wait(bar_kv, 0);
+    PipelineState<Traits> st;
+    for (int j = 0; j < steps; ++j) {
+      const int head = kv_head * group + j / m_count;
+      const int m = m_min + j % m_count;
+      const int q_lo = m * M;
+      Barrier::wait(&full[st.stage], st.phase);
+
+      // S^T and dP^T, back to back
+      warpgroup_fence_operand(tSrS);
+      warpgroup_fence_operand(tSrDp);
+      warpgroup_arrive();
+      mma_sdp.accumulate_ = gmma::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tSrK); ++kb) {
+        cute::gemm(mma_sdp, tSrK(_, _, kb), tSrQ(_, _, kb, st.stage), tSrS);
+        mma_sdp.accumulate_ = gmma::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_arrive();
+      mma_sdp.accumulate_ = gmma::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tSrV); ++kb) {
+        cute::gemm(mma_sdp, tSrV(_, _, kb), tSrDo(_, _, kb, st.stage), tSrDp);
+        mma_sdp.accumulate_ = gmma::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+
+      // lse2 and delta of this thread's query columns, read from the slot when used (the slot
+      // stays valid until this thread arrives on empty[])
+      const float* lse_s = smem_lse + st.stage * M + col_lane;
+      const float* delta_s = smem_delta + st.stage * M + col_lane;
+
+      warpgroup_wait<1>();  // S^T is in
+      warpgroup_fence_operand(tSrS);
+      score_mod.apply(tSrS);
+      if constexpr (Traits::kSoftcap) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) tSrT(i) = tSrS(i);
+      }
+      CUTE_UNROLL
+      for (int c1 = 0; c1 < 2; ++c1) {
+        CUTE_UNROLL
+        for (int g = 0; g < M / 8; ++g) {
+          const float2 lse2 = *reinterpret_cast<const float2*>(lse_s + 8 * g);
+          float& x0 = tSrS(make_coord(0, c1, g), 0, 0);
+          float& x1 = tSrS(make_coord(1, c1, g), 0, 0);
+          x0 = exp2_approx(fmaf(x0, args.scale_log2, -lse2.x));
+          x1 = exp2_approx(fmaf(x1, args.scale_log2, -lse2.y));
+        }
+      }
+      if (mask.needs_mask(q_lo, q_lo + M - 1, key_lo, key_lo + Traits::kKeysPerWarpgroup - 1)) {
+        mask.apply_transposed(tSrS, key0, q_lo + col_lane, 0.f);
+      }
+      to_a_operand(tSrS, tPa);
+
+      // dV += P^T dO
+      warpgroup_fence_operand(tDvrDv);
+      warpgroup_fence_operand(tPa_words);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tPa); ++kb) {
+        cute::gemm(mma_dkv, tPa(_, _, kb), tKVrDo(_, _, kb, st.stage), tDvrDv);
+      }
+      warpgroup_commit_batch();
+
+      warpgroup_wait<1>();  // dP^T is in (the dV GEMM may still run)
+      warpgroup_fence_operand(tSrDp);
+      CUTE_UNROLL
+      for (int c1 = 0; c1 < 2; ++c1) {
+        CUTE_UNROLL
+        for (int g = 0; g < M / 8; ++g) {
+          const float2 delta = *reinterpret_cast<const float2*>(delta_s + 8 * g);
+          CUTE_UNROLL
+          for (int c0 = 0; c0 < 2; ++c0) {
+            const auto at = make_coord(c0, c1, g);
+            float ds = tSrS(at, 0, 0) * (tSrDp(at, 0, 0) - (c0 == 0 ? delta.x : delta.y));
+            if constexpr (Traits::kSoftcap) {
+              const float t = tSrT(at, 0, 0);
+              ds *= 1.f - t * t;
+            }
+            tSrDp(at, 0, 0) = ds;
+          }
+        }
+      }
+      to_a_operand(tSrDp, tDsa);
+
+      // dK += dS^T Q
+      warpgroup_fence_operand(tDkrDk);
+      warpgroup_fence_operand(tDsa_words);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tDsa); ++kb) {
+        cute::gemm(mma_dkv, tDsa(_, _, kb), tKVrQ(_, _, kb, st.stage), tDkrDk);
+      }
+      warpgroup_commit_batch();
+
+      // dS^T into this warpgroup's buffer (alternating), then dQ_part = dS K_wg
+      Element* ds_buf = smem_ds + (2 * wg + (j & 1)) * (M * 64);
+      Tensor sDsT = make_tensor(make_smem_ptr(ds_buf), typename Traits::SmemLayoutDsT{});
+      Tensor tSsDs = thr_sdp.partition_C(sDsT);
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrDp); ++i) tSsDs(i) = Element(tSrDp(i));
+      cutlass::arch::fence_view_async_shared();
+      warpgroup_barrier_sync(kDsBarrier + wg);
+
+      Tensor sDs = make_tensor(make_smem_ptr(ds_buf), typename Traits::SmemLayoutDs{});
+      Tensor tQrDs = thr_dq.partition_fragment_A(sDs);  // (MMA, 1, 64/16)
+      float* dq_rows = p.dq_acc + workspace_row(p, batch, head) * f.head_dim;
+      const int q_row0 = q_lo + 16 * warp + lane / 4;
+      CUTE_UNROLL
+      for (int c = 0; c < Traits::kDqSplits; ++c) {
+        Tensor sKtc = local_tile(sKt(_, _, 0), Shape<Int<Traits::kDqCols>, _64>{}, make_coord(c, wg));
+        Tensor tQrK = thr_dq.partition_fragment_B(sKtc);  // (MMA, 1, 64/16)
+        Tensor tQrDq = partition_fragment_C(mma_dq, Shape<Int<M>, Int<Traits::kDqCols>>{});
+        warpgroup_fence_operand(tQrDq);
+        warpgroup_arrive();
+        mma_dq.accumulate_ = gmma::ScaleOut::Zero;
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tQrDs); ++kb) {
+          cute::gemm(mma_dq, tQrDs(_, _, kb), tQrK(_, _, kb), tQrDq);
+          mma_dq.accumulate_ = gmma::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();  // also retires dV and dK: Q and dO of the slot are free
+        warpgroup_fence_operand(tQrDq);
+        if (c == 0) {
+          warpgroup_fence_operand(tDvrDv);
+          warpgroup_fence_operand(tDkrDk);
+          warpgroup_fence_operand(tPa_words);
+          warpgroup_fence_operand(tDsa_words);
+          Barrier::arrive(&empty[st.stage]);
+        }
+        CUTE_UNROLL
+        for (int c1 = 0; c1 < 2; ++c1) {
+          const int row = q_row0 + 8 * c1;
+          if (row >= seq.seqlen_q) continue;
+          float* acc_row = dq_rows + int64_t(row) * f.head_dim + c * Traits::kDqCols;
+          CUTE_UNROLL
+          for (int g = 0; g < Traits::kDqCols / 8; ++g) {
+            const int col = 8 * g + col_lane;
+            if (c * Traits::kDqCols + col < f.head_dim) {
+              atomicAdd(reinterpret_cast<float2*>(acc_row + col),
+                        make_float2(tQrDq(make_coord(0, c1, g), 0, 0),
+                                    tQrDq(make_coord(1, c1, g), 0, 0)));
+            }
+          }
+        }
+      }
+      st.advance();
+    }
+  }
+
+  // epilogue: this warpgroup's 64 keys of dK (scaled) and dV
+  const int rows_valid = seq.seqlen_k - (n_block * N + wg * Traits::kKeysPerWarpgroup);
+  const int row_start = seq.k_start + n_block * N + wg * Traits::kKeysPerWarpgroup;
+  const int r0 = 16 * warp + lane / 4;
+  Element* dk = static_cast<Element*>(p.dk) + int64_t(batch) * p.dk_batch_stride +
+                int64_t(kv_head) * p.dk_head_stride;
+  Element* dv = static_cast<Element*>(p.dv) + int64_t(batch) * p.dv_batch_stride +
+                int64_t(kv_head) * p.dv_head_stride;
+  store_rows<Element, D>(tDkrDk, args.grad_scale, dk, p.dk_row_stride, r0, row_start, rows_valid,
+                         f.head_dim, col_lane);
+  store_rows<Element, D>(tDvrDv, 1.f, dv, p.dv_row_stride, r0, row_start, rows_valid, f.head_dim,
+                         col_lane);
+#endif
+}
+
+}  // namespace flash::hopper

@@ -1,0 +1,75 @@
+// Host side of one backward instantiation: the preprocess, the main kernel and the dQ cast, in
+// that order on one stream. Tensor maps as in fwd_launch.h (Q and dO boxes of kBlockM rows, K
+// and V boxes of kBlockN rows).
+#pragma once
+
+// fwd_launch.h first: it includes <cudaTypedefs.h> before the CuTe headers
+#include "fwd_launch.h"
+#include "bwd_kernel.h"
+#include "bwd_run.h"
+
+namespace flash::hopper {
+
+template <class Traits>
+FwdStatus launch_bwd(const FlashBwdParams& p, cudaStream_t stream, char* why, int why_len) {
+  using Element = typename Traits::Element;
+  const FlashParams& f = p.fwd;
+  const bool varlen = f.cu_seqlens_q != nullptr;
+  const uint64_t batch_extent = varlen ? 1 : uint64_t(f.batch);
+  const uint64_t d = uint64_t(f.head_dim);
+  BwdArgs args;
+  args.p = p;
+  const TensorView4d q{f.q, {d, uint64_t(f.rows_q), uint64_t(f.heads_q), batch_extent},
+                       {f.q_row_stride, f.q_head_stride, f.q_batch_stride}};
+  const TensorView4d dout{p.dout, {d, uint64_t(f.rows_q), uint64_t(f.heads_q), batch_extent},
+                          {p.dout_row_stride, p.dout_head_stride, p.dout_batch_stride}};
+  const TensorView4d k{f.k, {d, uint64_t(f.rows_k), uint64_t(f.heads_kv), batch_extent},
+                       {f.k_row_stride, f.k_head_stride, f.k_batch_stride}};
+  const TensorView4d v{f.v, {d, uint64_t(f.rows_k), uint64_t(f.heads_kv), batch_extent},
+                       {f.v_row_stride, f.v_head_stride, f.v_batch_stride}};
+  if (!make_tensor_map<Traits>(&args.tma_q, q, Traits::kBlockM, "q", why, why_len) ||
+      !make_tensor_map<Traits>(&args.tma_do, dout, Traits::kBlockM, "dout", why, why_len) ||
+      !make_tensor_map<Traits>(&args.tma_k, k, Traits::kBlockN, "k", why, why_len) ||
+      !make_tensor_map<Traits>(&args.tma_v, v, Traits::kBlockN, "v", why, why_len)) {
+    return FwdStatus::kMisaligned;
+  }
+  if (Traits::kSoftcap) {
+    args.scale_log2 = f.softcap * kLog2e;
+    args.scale_over_cap = f.scale / f.softcap;
+  } else {
+    args.scale_log2 = f.scale * kLog2e;
+    args.scale_over_cap = 0.f;
+  }
+  args.grad_scale = f.scale;
+
+  const dim3 rows_grid((f.seqlen_q + kWorkspaceRows - 1) / kWorkspaceRows, f.heads_q, f.batch);
+  const bool has_rows = rows_grid.x > 0;
+  if (has_rows) bwd_prep_kernel<Element><<<rows_grid, 256, 0, stream>>>(p);
+  cudaError_t err = cudaGetLastError();
+  auto kernel = bwd_kernel<Traits>;
+  if (err == cudaSuccess) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               Traits::kSmemBytes);
+  }
+  if (err == cudaSuccess && f.seqlen_k > 0) {
+    const dim3 grid((f.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, f.heads_kv, f.batch);
+    kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
+    err = cudaGetLastError();
+  }
+  if (err == cudaSuccess && has_rows) {
+    bwd_dq_cast_kernel<Element><<<rows_grid, 256, 0, stream>>>(p, f.scale);
+    err = cudaGetLastError();
+  }
+  if (err != cudaSuccess) {
+    std::snprintf(why, why_len, "hopper backward launch failed: %s", cudaGetErrorString(err));
+    return FwdStatus::kLaunchFailed;
+  }
+  return FwdStatus::kOk;
+}
+
+template <class Element, int kHeadDim, bool kWindow, bool kSoftcap>
+FwdStatus run_bwd(const FlashBwdParams& p, cudaStream_t stream, char* why, int why_len) {
+  return launch_bwd<BwdTraits<Element, kHeadDim, kWindow, kSoftcap>>(p, stream, why, why_len);
+}
+
+}  // namespace flash::hopper

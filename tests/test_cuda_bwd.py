@@ -1,0 +1,226 @@
+"""The Hopper CUDA backward (`_cuda.backward`) against the float64 reference, on an sm90 GPU.
+
+The backend is called directly, as the dispatcher does: gradients poisoned with NaN, an
+`AttnParams` already normalised (causal => window_right == 0), out and lse from the CUDA forward.
+Every gradient is held to the tolerance rule (twice PyTorch's own error in the input dtype).
+
+Covered: bf16/fp16 x every compiled backward head dim (and head dims between them) x causal;
+Sq != Sk both ways with sizes off the 64/128 tiles, Sq = 1; causal, sliding windows, softcap,
+sinks (with the s_aux gradient and fully masked rows); GQA ratios 1, 2, 4, 8 and MQA (dK/dV
+summed over the group inside the kernel); varlen with empty and length-1 sequences; transposed
+and packed strides; agreement with the Triton backward. CPU-only checks cover `supports`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import pytest
+import torch
+
+from helpers import (assert_matches_reference, make_qkv, make_varlen_qkv, run_backward,
+                     run_forward)
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm90 (Hopper) GPU")
+
+
+@pytest.fixture(scope="module")
+def cuda_backend(flash_attn):
+    return importlib.import_module(flash_attn.__name__ + "._cuda")
+
+
+@pytest.fixture(scope="module")
+def attn_params(flash_attn):
+    return importlib.import_module(flash_attn.__name__ + "._params").AttnParams
+
+
+def _params(attn_params, d, *, causal=False, window=(-1, -1), softcap=0.0, max_q, max_k):
+    left, right = window
+    if causal:
+        right = 0
+    return attn_params(softmax_scale=d ** -0.5, causal=causal, window_left=left,
+                       window_right=right, softcap=softcap, dropout_p=0.0, seed=0,
+                       deterministic=False, max_seqlen_q=max_q, max_seqlen_k=max_k)
+
+
+def _check(backend, q, k, v, params, *, cu_q=None, cu_k=None, s_aux=None, label=""):
+    """Forward and backward on the CUDA backend; the gradients against the reference."""
+    sink = s_aux is not None
+    varlen = cu_q is not None
+    assert backend.supports(q, k, params, backward=True, varlen=varlen, alibi=False, sink=sink), \
+        "the CUDA backend should accept this backward"
+    launch = dict(params=params, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, s_aux=s_aux)
+    out, lse = run_forward(backend, q, k, v, **launch)
+    dout = torch.randn_like(out)
+    grads = run_backward(backend, dout, q, k, v, out, lse, **launch)
+    torch.cuda.synchronize()
+    assert_matches_reference(grads, q, k, v, dout=dout, s_aux=s_aux, label=label,
+                             softmax_scale=params.softmax_scale, causal=params.causal,
+                             window_size=(params.window_left, params.window_right),
+                             softcap=params.softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    return grads
+
+
+def _qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, seed=0, **kw):
+    torch.manual_seed(seed)
+    return make_qkv(b, sq, sk, hq, hkv, d, dtype=dtype, device="cuda", **kw)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_dims(cuda_backend, attn_params, dtype, d, causal):
+    q, k, v = _qkv(2, 257, 257, 4, 4, d, dtype, seed=d)
+    _check(cuda_backend, q, k, v, _params(attn_params, d, causal=causal, max_q=257, max_k=257))
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("d", [8, 40, 72, 80, 112, 120])
+def test_head_dims_between_buckets(cuda_backend, attn_params, d):
+    q, k, v = _qkv(1, 113, 239, 2, 2, d, seed=d)
+    _check(cuda_backend, q, k, v, _params(attn_params, d, max_q=113, max_k=239))
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("sq,sk", [(1, 1), (1, 239), (17, 1023), (113, 239), (1023, 113),
+                                   (239, 17), (640, 640)])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (17, 5), (0, 0), (64, -1)],
+                         ids=["full", "causal", "band", "diag", "left"])
+def test_lengths_and_windows(cuda_backend, attn_params, sq, sk, window):
+    q, k, v = _qkv(2, sq, sk, 3, 3, 128, seed=sq * 7 + sk)
+    params = _params(attn_params, 128, causal=window == (-1, 0), window=window, max_q=sq, max_k=sk)
+    _check(cuda_backend, q, k, v, params)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_softcap(cuda_backend, attn_params, causal, d):
+    q, k, v = _qkv(2, 300, 300, 2, 2, d, seed=3)
+    q = q * 4  # large scores, so the cap bites
+    _check(cuda_backend, q, k, v,
+           _params(attn_params, d, causal=causal, softcap=5.0, max_q=300, max_k=300))
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("sq,sk", [(200, 200), (300, 100)])  # (300, 100) causal: masked rows
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sinks(cuda_backend, attn_params, sq, sk, causal):
+    q, k, v = _qkv(2, sq, sk, 4, 2, 128, seed=5)
+    s_aux = torch.randn(4, device="cuda", dtype=torch.float32) * 2
+    grads = _check(cuda_backend, q, k, v,
+                   _params(attn_params, 128, causal=causal, max_q=sq, max_k=sk), s_aux=s_aux)
+    assert "ds_aux" in grads
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 4), (8, 2), (16, 2), (8, 1), (6, 3)],
+                         ids=["mha", "gqa2", "gqa4", "gqa8", "mqa", "gqa_odd_heads"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gqa(cuda_backend, attn_params, hq, hkv, causal):
+    q, k, v = _qkv(2, 200, 333, hq, hkv, 128, torch.float16, seed=hq + hkv)
+    _check(cuda_backend, q, k, v, _params(attn_params, 128, causal=causal, max_q=200, max_k=333))
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (33, 7)], ids=["full", "causal", "band"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_varlen_with_empty_sequences(cuda_backend, attn_params, window, d):
+    torch.manual_seed(11)
+    seq_q = [0, 17, 128, 1, 300, 5, 129]
+    seq_k = [5, 0, 200, 1, 300, 0, 77]
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv(seq_q, seq_k, 4, 2, d,
+                                                        dtype=torch.bfloat16, device="cuda")
+    s_aux = torch.randn(4, device="cuda") if window == (33, 7) else None
+    params = _params(attn_params, d, causal=window == (-1, 0), window=window, max_q=max_q,
+                     max_k=max_k)
+    _check(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k, s_aux=s_aux)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("kv_layout", ["transposed", "sliced", "packed", "packed_transposed"])
+def test_strided_layouts(cuda_backend, attn_params, kv_layout):
+    q, k, v = _qkv(2, 190, 190, 4, 2, 128, seed=13, transposed=True, kv_layout=kv_layout)
+    for causal in (False, True):
+        _check(cuda_backend, q, k, v, _params(attn_params, 128, causal=causal, max_q=190,
+                                              max_k=190), label=f"{kv_layout} causal={causal}")
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_against_triton(cuda_backend, flash_attn, attn_params, causal):
+    """Same inputs through both backwards: the gradients agree to 1e-2 relative (both are held
+    to the reference by the tests above; this catches a disagreement at a larger size)."""
+    try:
+        triton_bwd = importlib.import_module(flash_attn.__name__ + "._triton_bwd")
+    except ModuleNotFoundError:
+        pytest.skip("this build has no Triton backward")
+    q, k, v = _qkv(2, 1000, 1000, 8, 2, 128, seed=17)
+    params = _params(attn_params, 128, causal=causal, max_q=1000, max_k=1000)
+    out, lse = run_forward(cuda_backend, q, k, v, params=params)
+    dout = torch.randn_like(out)
+    ours = run_backward(cuda_backend, dout, q, k, v, out, lse, params=params)
+    theirs = run_backward(triton_bwd, dout, q, k, v, out, lse, params=params)
+    for name in ("dq", "dk", "dv"):
+        err = (ours[name].float() - theirs[name].float()).norm() / theirs[name].float().norm()
+        assert err < 1e-2, f"{name}: relative distance to the Triton backward {err:.2e}"
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_no_query_head_sized_buffers(cuda_backend, attn_params):
+    """GQA 32/8: the backward allocates only its fp32 workspaces (dQ accumulator, lse2, delta,
+    all q-sized or smaller): no (.., Hq, D) dK/dV and no reduction buffer."""
+    q, k, v = _qkv(2, 2048, 2048, 32, 8, 128, seed=1)
+    params = _params(attn_params, 128, causal=True, max_q=2048, max_k=2048)
+    out, lse = run_forward(cuda_backend, q, k, v, params=params)
+    dout = torch.randn_like(out)
+    grads = dict(dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    cuda_backend.backward(dout, q, k, v, out, lse, grads["dq"], grads["dk"], grads["dv"], None,
+                          cu_seqlens_q=None, cu_seqlens_k=None, s_aux=None, alibi_slopes=None,
+                          params=params)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    dq_acc = q.numel() * 4  # fp32, q's shape (Sq is a multiple of 64 here)
+    rows = 2 * lse.numel() * 4  # lse2 and delta
+    assert extra <= dq_acc + rows + (1 << 20), f"{extra} bytes beyond the workspaces"
+
+
+def test_supports_excludes_what_it_cannot_run(cuda_backend, attn_params):
+    """CPU tensors, deterministic mode, dropout, ALiBi and uncompiled backward head dims go to
+    Triton; no GPU needed."""
+    q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
+    base = _params(attn_params, 128, max_q=8, max_k=8)
+    features = dict(varlen=False, alibi=False, sink=False)
+    assert not cuda_backend.supports(q, q, base, backward=True, **features)  # CPU tensors
+    if not _sm90():
+        return
+    q = q.cuda()
+    assert cuda_backend.supports(q, q, base, backward=True, **features)
+    assert not cuda_backend.supports(q, q, dataclasses.replace(base, deterministic=True),
+                                     backward=True, **features)
+    assert not cuda_backend.supports(q, q, dataclasses.replace(base, dropout_p=0.1),
+                                     backward=True, **features)
+    assert not cuda_backend.supports(q, q, base, backward=True, **{**features, "alibi": True})
+    wide = torch.zeros(1, 8, 2, 256, dtype=torch.bfloat16, device="cuda")
+    assert not cuda_backend.supports(wide, wide, base, backward=True, **features)
+    assert cuda_backend.supports(wide, wide, base, backward=False, **features)
