@@ -205,6 +205,23 @@ def test_no_query_head_sized_buffers(cuda_backend, attn_params):
     assert extra <= dq_acc + rows + (1 << 20), f"{extra} bytes beyond the workspaces"
 
 
+@pytest.mark.gpu
+@pytest.mark.sanitize
+@needs_sm90
+def test_small_all_features_once(cuda_backend, attn_params):
+    """A short run of every backward code path, sized for compute-sanitizer: varlen with an
+    empty sequence, GQA, a band window, softcap and sinks at a head dim between buckets; then
+    batched causal MQA with Sq != Sk."""
+    torch.manual_seed(19)
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv([0, 33, 130], [5, 33, 200], 4, 2, 80,
+                                                        device="cuda")
+    params = _params(attn_params, 80, window=(20, 3), softcap=8.0, max_q=max_q, max_k=max_k)
+    _check(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k,
+           s_aux=torch.randn(4, device="cuda"))
+    q, k, v = _qkv(2, 70, 150, 4, 1, 64, seed=23)
+    _check(cuda_backend, q, k, v, _params(attn_params, 64, causal=True, max_q=70, max_k=150))
+
+
 def test_supports_excludes_what_it_cannot_run(cuda_backend, attn_params):
     """CPU tensors, deterministic mode, dropout, ALiBi and uncompiled backward head dims go to
     Triton; no GPU needed."""

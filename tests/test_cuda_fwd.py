@@ -227,7 +227,9 @@ def test_supports_declines_without_sm90_or_features(cuda_backend, attn_params):
         return
     qc = q.cuda()
     assert cuda_backend.supports(qc, qc, params, backward=False, **flags)
-    assert not cuda_backend.supports(qc, qc, params, backward=True, **flags)
+    # the backward has its own cases (tests/test_cuda_bwd.py); deterministic mode is not one
+    assert not cuda_backend.supports(qc, qc, dataclasses.replace(params, deterministic=True),
+                                     backward=True, **flags)
     assert not cuda_backend.supports(qc, qc, params, backward=False, varlen=False, alibi=True,
                                      sink=False)
     assert not cuda_backend.supports(qc.float(), qc.float(), params, backward=False, **flags)
