@@ -69,8 +69,9 @@ enum class FwdStatus : int {
 // ws_rows = Sq rounded up to 64. Varlen: row h * ws_rows + start_b + i with
 // start_b = (cu_seqlens_q[b] + 64 * b) / 64 * 64 and ws_rows = Tq + 64 * B rounded up to 64.
 // lse2 = lse * log2(e) (+inf where lse is -inf and on padding rows, so their P is 0); delta =
-// rowsum(dO * O) (0 on padding rows); dq_acc (ws rows x head_dim, zeroed by the caller) sums
-// dS K over all key blocks and is scaled and cast into dq at the end.
+// rowsum(dO * O) (0 on padding rows); dq_acc (ws rows x the compiled head dim, zeroed by the
+// caller) sums dS K over all key blocks, each 64-row block in the kernel's fragment order
+// (csrc/hopper/bwd_kernel.h), and is scaled and cast into dq at the end.
 struct FlashBwdParams {
   FlashParams fwd;
   const void* dout;
@@ -85,6 +86,7 @@ struct FlashBwdParams {
   float* lse2;
   float* delta;
   int64_t ws_rows;
+  int dq_acc_cols;  // the compiled head dim the call runs on (>= head_dim)
 };
 
 // Runs the sm90 forward on `stream` (a cudaStream_t). On failure returns the status and writes a

@@ -246,8 +246,9 @@ void hopper_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor ls
                   op, ": delta must be a contiguous float32 CUDA vector like lse2");
   STD_TORCH_CHECK(dq_acc.is_cuda() && dq_acc.scalar_type() == ScalarType::Float &&
                       dq_acc.dim() == 2 && dq_acc.is_contiguous() &&
-                      dq_acc.size(0) == lse2.numel() && dq_acc.size(1) == q.size(-1),
-                  op, ": dq_acc must be a contiguous float32 CUDA (lse2 rows, head dim) matrix");
+                      dq_acc.size(0) == lse2.numel() && dq_acc.size(1) >= q.size(-1),
+                  op, ": dq_acc must be a contiguous float32 CUDA (lse2 rows, compiled head dim) "
+                  "matrix");
 
   b.dout = dout.const_data_ptr();
   b.dout_row_stride = dout.stride(-3);
@@ -271,6 +272,7 @@ void hopper_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor ls
   b.lse2 = static_cast<float*>(lse2.mutable_data_ptr());
   b.delta = static_cast<float*>(delta.mutable_data_ptr());
   b.ws_rows = ws_rows;
+  b.dq_acc_cols = static_cast<int>(dq_acc.size(1));
   const int32_t device = q.get_device_index();
   torch::stable::accelerator::DeviceGuard guard(device);
   char why[256] = {0};

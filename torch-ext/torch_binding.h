@@ -16,7 +16,8 @@ void hopper_fwd(torch::stable::Tensor q, torch::stable::Tensor k, torch::stable:
                 double softcap);
 
 // hopper_bwd: sm90 backward into caller-allocated dq / dk / dv, with the fp32 workspaces dq_acc
-// (zeroed), lse2 and delta laid out as [Note] Backward workspaces in csrc/flash_params.h says.
+// (zeroed; as many columns as the compiled head dim the call runs on), lse2 and delta laid out
+// as [Note] Backward workspaces in csrc/flash_params.h says.
 void hopper_bwd(torch::stable::Tensor dout, torch::stable::Tensor q, torch::stable::Tensor k,
                 torch::stable::Tensor v, torch::stable::Tensor out, torch::stable::Tensor lse,
                 torch::stable::Tensor dq, torch::stable::Tensor dk, torch::stable::Tensor dv,

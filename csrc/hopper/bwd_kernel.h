@@ -16,18 +16,27 @@
 //   dV += P^T dO       RS GEMM, issued as soon as P^T is in registers
 //   dS^T = P^T * (dP^T - delta)          (softcap: times 1 - t^2)
 //   dK += dS^T Q       RS GEMM
-//   dS^T -> shared memory, then dQ_part = dS K_wg and fp32 atomic adds into dq_acc
+//   dS^T -> the CTA's shared dS tile; dQ (this consumer's half of the columns) = dS K over all
+//   kBlockN keys; the fp32 dQ tile -> shared memory -> one bulk reduce-add into dq_acc
 // The softmax scale (and the softcap chain rule's scale) is applied once: to dK in the epilogue
 // and to dQ in the cast kernel.
 //
 // [Note] Backward barrier protocol
-// bar_kv: count 1, the producer's one transaction for K and V. full[s]: count 1, one transaction
-// for Q, dO, lse2 and delta of a step. empty[s]: all consumer threads arrive once the GEMMs that
-// read Q and dO of the slot have retired (lse2 and delta are read into registers earlier). The
-// dS tile of a consumer has two buffers used alternately; a warpgroup-local named barrier
-// (kDsBarrier + consumer, 128 threads) orders its stores before the dQ GEMM reads it, and the
-// next step's barrier orders that GEMM's completion (waited by every thread) before the buffer
-// is written again two steps later.
+// bar_kv: count 1, the producer's one transaction for K and V. full[s]: count 1, one
+// transaction for Q, dO, lse2 and delta of a step. empty[s]: all consumer threads arrive once
+// the GEMMs that read Q and dO of the slot have retired (lse2 and delta are read before that).
+//
+// [Note] dQ through shared memory
+// Per step both consumers store their 64 rows of dS^T into the one dS tile and meet at
+// kDsBarrier (256 threads); each then computes half of the dQ tile's columns over all kBlockN
+// keys, stores it into the fp32 dQ tile and meets the other at kDqBarrier; one thread (the first
+// consumer thread) issues a bulk reduce-add of the whole tile into dq_acc. That thread waits
+// until the reduce has read the tile (bulk_wait_read) before it arrives at the next step's
+// kDsBarrier, so the tile is free whenever a consumer writes it; the dS tile is rewritten only
+// after both consumers passed kDqBarrier, i.e. after both dQ GEMMs retired. The fp32 tile is
+// stored in fragment order (chunk g of consumer w's columns: 128 float4 of its 128 threads), so
+// the stores are conflict-free and one contiguous bulk copy carries the tile; dq_acc keeps that
+// order and the cast kernel undoes it.
 #pragma once
 
 #include "bwd_traits.h"
@@ -48,11 +57,29 @@ struct BwdArgs {
 
 constexpr int kBwdProducerRegisters = 24;
 constexpr int kBwdConsumerRegisters = 240;  // 128 x 24 + 256 x 240 = 64512 <= 65536
-constexpr int kDsBarrier = 1;               // ids 1 and 2 (id 0 is __syncthreads)
+constexpr int kDsBarrier = 1;               // named barrier ids (id 0 is __syncthreads)
+constexpr int kDqBarrier = 2;
 constexpr int kWorkspaceRows = 64;          // [Note] Backward workspaces
 
-__device__ __forceinline__ void warpgroup_barrier_sync(int id) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(128) : "memory");
+// Both consumer warpgroups (256 threads).
+__device__ __forceinline__ void consumers_barrier_sync(int id) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(256) : "memory");
+}
+
+// One bulk reduce-add of `bytes` from shared to global memory (fp32 add, by the copy engine).
+__device__ __forceinline__ void bulk_reduce_add(float* gmem, const void* smem, int bytes) {
+  const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               ::"l"(gmem), "r"(src), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// The issuing thread's bulk operations have finished reading shared memory / completed.
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
 // First padded row of (batch, head) in the workspaces.
@@ -127,28 +154,42 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel(const __grid_constant__ F
 #endif
 }
 
-// dq = dq_acc * scale in q's dtype and dq's strides.
-template <class Element>
-__global__ void __launch_bounds__(256) bwd_dq_cast_kernel(const __grid_constant__ FlashBwdParams p,
+// dq = dq_acc * scale in q's dtype and dq's strides. dq_acc holds each 64-row block in the
+// order the main kernel's consumers hold their dQ fragments ([Note] dQ through shared memory);
+// thread t of this 128-thread CTA reads what consumer thread t wrote.
+template <class Traits>
+__global__ void __launch_bounds__(128) bwd_dq_cast_kernel(const __grid_constant__ FlashBwdParams p,
                                                           float scale) {
 #if defined(FLASH_HOPPER_DEVICE_PASS)
+  using Element = typename Traits::Element;
+  constexpr int D = Traits::kHeadDim, kGroups = Traits::kDqCols / 8;
   const FlashParams& f = p.fwd;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const SeqInfo seq(f, batch);
   const int block_row = blockIdx.x * kWorkspaceRows;
   if (block_row >= seq.seqlen_q) return;
-  const int64_t ws = workspace_row(p, batch, head);
+  const float4* acc = reinterpret_cast<const float4*>(
+      p.dq_acc + (workspace_row(p, batch, head) + block_row) * D);
   Element* dq = static_cast<Element*>(p.dq) + int64_t(batch) * p.dq_batch_stride +
                 int64_t(head) * p.dq_head_stride;
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  for (int r = warp; r < kWorkspaceRows; r += 8) {
-    const int row = block_row + r;
-    if (row >= seq.seqlen_q) break;
-    const float* acc = p.dq_acc + (ws + row) * f.head_dim;
-    Element* dst = dq + int64_t(seq.q_start + row) * p.dq_row_stride;
-    for (int c = lane; c < f.head_dim; c += 32) dst[c] = Element(acc[c] * scale);
+  const int tid = threadIdx.x;
+  const int row0 = block_row + 16 * (tid / 32) + (tid % 32) / 4;
+  const int col_lane = 2 * (tid % 4);
+  CUTE_UNROLL
+  for (int i = 0; i < D / 8; ++i) {
+    const float4 v = acc[i * 128 + tid];
+    const int col = (i / kGroups) * Traits::kDqCols + 8 * (i % kGroups) + col_lane;
+    if (col >= f.head_dim) continue;
+    const float pair[2][2] = {{v.x, v.y}, {v.z, v.w}};
+    CUTE_UNROLL
+    for (int c1 = 0; c1 < 2; ++c1) {
+      const int row = row0 + 8 * c1;
+      if (row >= seq.seqlen_q) continue;
+      Element* dst = dq + int64_t(seq.q_start + row) * p.dq_row_stride + col;
+      dst[0] = Element(pair[c1][0] * scale);
+      dst[1] = Element(pair[c1][1] * scale);
+    }
   }
 #endif
 }
@@ -294,6 +335,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   Tensor tPa_words = recast<uint32_t>(tPa);
   Tensor tDsa_words = recast<uint32_t>(tDsa);
   static_assert(decltype(size<0, 2>(tSrS))::value == M / 8, "accumulator layout ((2,2,M/8),1,1)");
+  Tensor sDs = make_tensor(make_smem_ptr(smem_ds), typename Traits::SmemLayoutDs{});
+  Tensor tQrDs = thr_dq.partition_fragment_A(sDs);  // (MMA, 1, N/16)
+  Tensor tQrK = thr_dq.partition_fragment_B(
+      local_tile(sKt(_, _, 0), Shape<Int<Traits::kDqCols>, Int<N>>{}, make_coord(wg, 0)));
+  Tensor tQrDq = partition_fragment_C(mma_dq, Shape<Int<M>, Int<Traits::kDqCols>>{});
+  float4* dq_tile = reinterpret_cast<float4*>(smem + Traits::kOffsetDq);
 
   const int key_lo = n_block * N + wg * Traits::kKeysPerWarpgroup;  // this warpgroup's keys
   const int key0 = key_lo + 16 * warp + lane / 4;                   // this thread's first key
@@ -402,60 +449,48 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       }
       warpgroup_commit_batch();
 
-      // dS^T into this warpgroup's buffer (alternating), then dQ_part = dS K_wg
-      Element* ds_buf = smem_ds + (2 * wg + (j & 1)) * (M * 64);
-      Tensor sDsT = make_tensor(make_smem_ptr(ds_buf), typename Traits::SmemLayoutDsT{});
-      Tensor tSsDs = thr_sdp.partition_C(sDsT);
+      // dS^T into this consumer's 64 rows of the shared dS tile; both consumers' rows must be
+      // in before either reads the tile ([Note] dQ through shared memory)
+      Tensor sDsT = make_tensor(make_smem_ptr(smem_ds), typename Traits::SmemLayoutDsT{});
+      Tensor tSsDs = thr_sdp.partition_C(local_tile(sDsT, Shape<_64, Int<M>>{}, make_coord(wg, 0)));
       CUTE_UNROLL
       for (int i = 0; i < size(tSrDp); ++i) tSsDs(i) = Element(tSrDp(i));
       cutlass::arch::fence_view_async_shared();
-      warpgroup_barrier_sync(kDsBarrier + wg);
+      if (threadIdx.x == 128) bulk_wait_read();  // the last reduce has read the dQ tile
+      consumers_barrier_sync(kDsBarrier);
 
-      Tensor sDs = make_tensor(make_smem_ptr(ds_buf), typename Traits::SmemLayoutDs{});
-      Tensor tQrDs = thr_dq.partition_fragment_A(sDs);  // (MMA, 1, 64/16)
-      float* dq_rows = p.dq_acc + workspace_row(p, batch, head) * f.head_dim;
-      const int q_row0 = q_lo + 16 * warp + lane / 4;
+      // dQ tile, this consumer's half of the columns, over all kBlockN keys
+      warpgroup_fence_operand(tQrDq);
+      warpgroup_arrive();
+      mma_dq.accumulate_ = gmma::ScaleOut::Zero;
       CUTE_UNROLL
-      for (int c = 0; c < Traits::kDqSplits; ++c) {
-        Tensor sKtc = local_tile(sKt(_, _, 0), Shape<Int<Traits::kDqCols>, _64>{}, make_coord(c, wg));
-        Tensor tQrK = thr_dq.partition_fragment_B(sKtc);  // (MMA, 1, 64/16)
-        Tensor tQrDq = partition_fragment_C(mma_dq, Shape<Int<M>, Int<Traits::kDqCols>>{});
-        warpgroup_fence_operand(tQrDq);
-        warpgroup_arrive();
-        mma_dq.accumulate_ = gmma::ScaleOut::Zero;
-        CUTE_UNROLL
-        for (int kb = 0; kb < size<2>(tQrDs); ++kb) {
-          cute::gemm(mma_dq, tQrDs(_, _, kb), tQrK(_, _, kb), tQrDq);
-          mma_dq.accumulate_ = gmma::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-        warpgroup_wait<0>();  // also retires dV and dK: Q and dO of the slot are free
-        warpgroup_fence_operand(tQrDq);
-        if (c == 0) {
-          warpgroup_fence_operand(tDvrDv);
-          warpgroup_fence_operand(tDkrDk);
-          warpgroup_fence_operand(tPa_words);
-          warpgroup_fence_operand(tDsa_words);
-          Barrier::arrive(&empty[st.stage]);
-        }
-        CUTE_UNROLL
-        for (int c1 = 0; c1 < 2; ++c1) {
-          const int row = q_row0 + 8 * c1;
-          if (row >= seq.seqlen_q) continue;
-          float* acc_row = dq_rows + int64_t(row) * f.head_dim + c * Traits::kDqCols;
-          CUTE_UNROLL
-          for (int g = 0; g < Traits::kDqCols / 8; ++g) {
-            const int col = 8 * g + col_lane;
-            if (c * Traits::kDqCols + col < f.head_dim) {
-              atomicAdd(reinterpret_cast<float2*>(acc_row + col),
-                        make_float2(tQrDq(make_coord(0, c1, g), 0, 0),
-                                    tQrDq(make_coord(1, c1, g), 0, 0)));
-            }
-          }
-        }
+      for (int kb = 0; kb < size<2>(tQrDs); ++kb) {
+        cute::gemm(mma_dq, tQrDs(_, _, kb), tQrK(_, _, kb), tQrDq);
+        mma_dq.accumulate_ = gmma::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();  // also retires dV and dK: Q and dO of the slot are free
+      warpgroup_fence_operand(tQrDq);
+      warpgroup_fence_operand(tDvrDv);
+      warpgroup_fence_operand(tDkrDk);
+      warpgroup_fence_operand(tPa_words);
+      warpgroup_fence_operand(tDsa_words);
+      Barrier::arrive(&empty[st.stage]);
+      CUTE_UNROLL
+      for (int g = 0; g < Traits::kDqCols / 8; ++g) {
+        dq_tile[(wg * (Traits::kDqCols / 8) + g) * 128 + tid] =
+            make_float4(tQrDq(make_coord(0, 0, g), 0, 0), tQrDq(make_coord(1, 0, g), 0, 0),
+                        tQrDq(make_coord(0, 1, g), 0, 0), tQrDq(make_coord(1, 1, g), 0, 0));
+      }
+      cutlass::arch::fence_view_async_shared();
+      consumers_barrier_sync(kDqBarrier);
+      if (threadIdx.x == 128) {
+        float* dst = p.dq_acc + (workspace_row(p, batch, head) + q_lo) * D;
+        bulk_reduce_add(dst, dq_tile, Traits::kTileBytesDq);
       }
       st.advance();
     }
+    if (threadIdx.x == 128) bulk_wait_all();
   }
 
   // epilogue: this warpgroup's 64 keys of dK (scaled) and dV

@@ -14,6 +14,12 @@ template <class Traits>
 FwdStatus launch_bwd(const FlashBwdParams& p, cudaStream_t stream, char* why, int why_len) {
   using Element = typename Traits::Element;
   const FlashParams& f = p.fwd;
+  static_assert(Traits::kBlockM == kWorkspaceRows, "one workspace block per step");
+  if (p.dq_acc_cols != Traits::kHeadDim) {
+    std::snprintf(why, why_len, "dq_acc has %d columns; head dim %d runs on the %d-column kernel",
+                  p.dq_acc_cols, f.head_dim, Traits::kHeadDim);
+    return FwdStatus::kUnsupportedShape;
+  }
   const bool varlen = f.cu_seqlens_q != nullptr;
   const uint64_t batch_extent = varlen ? 1 : uint64_t(f.batch);
   const uint64_t d = uint64_t(f.head_dim);
@@ -57,7 +63,7 @@ FwdStatus launch_bwd(const FlashBwdParams& p, cudaStream_t stream, char* why, in
     err = cudaGetLastError();
   }
   if (err == cudaSuccess && has_rows) {
-    bwd_dq_cast_kernel<Element><<<rows_grid, 256, 0, stream>>>(p, f.scale);
+    bwd_dq_cast_kernel<Traits><<<rows_grid, 128, 0, stream>>>(p, f.scale);
     err = cudaGetLastError();
   }
   if (err != cudaSuccess) {

@@ -2,7 +2,7 @@
 // `python csrc/hopper/generate.py`.
 //
 // One row per compiled backward head dim: kBlockM query rows per step, kBlockN keys per CTA,
-// kStages pipeline depth, kDqSplits column slices of the dQ GEMM, and why.
+// kStages pipeline depth, and why.
 #pragma once
 
 namespace flash::hopper {
@@ -10,11 +10,11 @@ namespace flash::hopper {
 template <int kHeadDim>
 struct BwdTileSize;
 
-// K+V 32 KB + 2 stages x (Q+dO) 16 KB + dS 32 KB = 96 KB; dK+dV+dQ 32+32+32 registers.
-template <> struct BwdTileSize<64> { static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDqSplits = 1; };
-// K+V 48 KB + 2 stages x (Q+dO) 24 KB + dS 32 KB = 128 KB; dK+dV+dQ 48+48+48 registers.
-template <> struct BwdTileSize<96> { static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDqSplits = 1; };
-// K+V 64 KB + 2 stages x (Q+dO) 32 KB + dS 32 KB = 160 KB; dQ in two 64-column slices so dK+dV+dQ stay at 64+64+32 registers.
-template <> struct BwdTileSize<128> { static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDqSplits = 2; };
+// K+V 32 KB + 2 stages x (Q+dO) 16 KB + dS 16 KB + dQ 16 KB = 96 KB; 64-byte swizzle so each consumer's 32 dQ columns are one chunk.
+template <> struct BwdTileSize<64> { static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2; };
+// K+V 48 KB + 2 stages x (Q+dO) 24 KB + dS 16 KB + dQ 24 KB = 136 KB; 32-byte swizzle (48 dQ columns per consumer = 3 chunks).
+template <> struct BwdTileSize<96> { static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2; };
+// K+V 64 KB + 2 stages x (Q+dO) 32 KB + dS 16 KB + dQ 32 KB = 176 KB; registers dK + dV + dQ half = 64 + 64 + 32 per thread.
+template <> struct BwdTileSize<128> { static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2; };
 
 }  // namespace flash::hopper

@@ -8,8 +8,10 @@
 //   dP^T = V dO^T        SS GEMM
 //   dV += P^T dO         RS GEMM: P^T from registers, dO read MN-major (its rows are the K extent)
 //   dK += dS^T Q         RS GEMM, Q read MN-major
-//   dQ_part = dS K_wg    SS GEMM: dS written to shared memory (MN-major A), K read MN-major; each
-//                        warpgroup adds the partial of its 64 keys into the fp32 dQ accumulator
+//   dQ_tile = dS K       SS GEMM over all kBlockN keys: both consumers write their dS^T into one
+//                        shared tile (MN-major A), and each computes half of dQ's columns
+//                        (K read MN-major, sliced at a column chunk); the 64 x kHeadDim fp32 tile
+//                        goes to shared memory and one bulk reduce-add sends it to dq_acc
 //
 // [Note] One tile, two views
 // Q, dO, K and V land from the copy engine as (rows, kHeadDim) tiles in the chunk-stacked swizzled
@@ -34,10 +36,8 @@ struct BwdTraits {
   static constexpr int kBlockM = Tile::kBlockM;
   static constexpr int kBlockN = Tile::kBlockN;
   static constexpr int kStages = Tile::kStages;
-  // dQ partial of one warpgroup in kDqSplits column slices of kDqCols, so that its accumulator
-  // never lives beside a full-width copy (registers: dK + dV + one slice)
-  static constexpr int kDqSplits = Tile::kDqSplits;
-  static constexpr int kDqCols = kHeadDim / kDqSplits;
+  // each consumer's half of the dQ tile's columns
+  static constexpr int kDqCols = kHeadDim / 2;
 
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kKeysPerWarpgroup = 64;
@@ -47,11 +47,12 @@ struct BwdTraits {
   static_assert(kBlockM == 64, "the dS tile is one 64 x 64 swizzle block");
   static_assert(kHeadDim % 16 == 0, "GEMM K extents are multiples of 16");
 
-  static constexpr int kSwizzleBytes = kHeadDim % 64 == 0 ? 128 : kHeadDim % 32 == 0 ? 64 : 32;
+  // The widest swizzle whose column chunk divides half the head dim, so that each consumer's
+  // dQ columns are whole chunks of the MN-major K view.
+  static constexpr int kSwizzleBytes = kDqCols % 64 == 0 ? 128 : kDqCols % 32 == 0 ? 64 : 32;
   static constexpr int kChunk = kSwizzleBytes / int(sizeof(Element));
   static constexpr int kChunks = kHeadDim / kChunk;
-  static_assert(kHeadDim % kChunk == 0, "head dim is a whole number of swizzle rows");
-  static_assert(kDqSplits == 1 || kDqCols % kChunk == 0, "dQ slices are whole column chunks");
+  static_assert(kDqCols % kChunk == 0, "each half of the head dim is whole swizzle rows");
 
   using AtomK = typename SwizzleAtoms<kSwizzleBytes, Element>::K;
   using AtomMN = typename SwizzleAtoms<kSwizzleBytes, Element>::MN;
@@ -68,12 +69,12 @@ struct BwdTraits {
   using SmemLayoutQt = RowsMN<kBlockM, kStages>;   // the same bytes as (D, M, stage)
   using SmemLayoutK = RowsK<kBlockN, 1>;           // K and V: (N, D, 1)
   using SmemLayoutKt = RowsMN<kBlockN, 1>;         // K as (D, N, 1)
-  // dS of one warpgroup as the A operand of the dQ GEMM, (M queries, 64 keys), queries contiguous;
-  // and the same bytes indexed (keys, queries) to store the dS^T accumulator into.
+  // dS of the CTA as the A operand of the dQ GEMM, (M queries, N keys), queries contiguous; and
+  // the same bytes indexed (keys, queries), where each consumer stores its 64 rows of dS^T.
   using SmemLayoutDs = decltype(cute::tile_to_shape(
-      gmma::Layout_MN_SW128_Atom<Element>{}, cute::Shape<cute::Int<kBlockM>, cute::_64>{}));
+      gmma::Layout_MN_SW128_Atom<Element>{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
   using SmemLayoutDsT = decltype(cute::composition(
-      SmemLayoutDs{}, cute::make_layout(cute::Shape<cute::_64, cute::Int<kBlockM>>{},
+      SmemLayoutDs{}, cute::make_layout(cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{},
                                         cute::Stride<cute::Int<kBlockM>, cute::_1>{})));
 
   using MmaSdP = decltype(cute::make_tiled_mma(
@@ -85,21 +86,23 @@ struct BwdTraits {
                            gmma::Major::K, gmma::Major::MN>()));
   using MmaDq = decltype(cute::make_tiled_mma(
       gmma::ss_op_selector<Element, Element, float,
-                           cute::Shape<cute::Int<kBlockM>, cute::Int<kDqCols>, cute::_64>,
+                           cute::Shape<cute::Int<kBlockM>, cute::Int<kDqCols>, cute::Int<kBlockN>>,
                            gmma::Major::MN, gmma::Major::MN>()));
 
   static constexpr int kTileBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kTileBytesK = kBlockN * kHeadDim * int(sizeof(Element));
-  static constexpr int kTileBytesDs = kBlockM * 64 * int(sizeof(Element));
+  static constexpr int kTileBytesDs = kBlockM * kBlockN * int(sizeof(Element));
+  static constexpr int kTileBytesDq = kBlockM * kHeadDim * int(sizeof(float));
   static constexpr int kRowBytes = kBlockM * int(sizeof(float));  // lse2 or delta of one step
 
-  // Dynamic shared memory: K, V, Q stages, dO stages, dS (2 buffers per consumer), lse2 and delta
+  // Dynamic shared memory: K, V, Q stages, dO stages, dS, the fp32 dQ tile, lse2 and delta
   // stages, mbarriers; +1024 to align the base.
   static constexpr int kOffsetV = kTileBytesK;
   static constexpr int kOffsetQ = kOffsetV + kTileBytesK;
   static constexpr int kOffsetDo = kOffsetQ + kStages * kTileBytesQ;
   static constexpr int kOffsetDs = kOffsetDo + kStages * kTileBytesQ;
-  static constexpr int kOffsetLse = kOffsetDs + 2 * kConsumerWarpgroups * kTileBytesDs;
+  static constexpr int kOffsetDq = kOffsetDs + kTileBytesDs;
+  static constexpr int kOffsetLse = kOffsetDq + kTileBytesDq;
   static constexpr int kOffsetDelta = kOffsetLse + kStages * kRowBytes;
   static constexpr int kOffsetBarriers = kOffsetDelta + kStages * kRowBytes;
   static constexpr int kNumBarriers = 1 + 2 * kStages;  // K/V, full[s], empty[s]

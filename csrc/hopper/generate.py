@@ -34,12 +34,14 @@ TILES = {
     192: (128, 96, 2, "N=96: 2 stages x (K+V) 36 KB + Q 48 KB = 192 KB; N=128 would need 240 KB."),
     256: (128, 64, 2, "N=64: 2 stages x (K+V) 32 KB + Q 64 KB = 192 KB; O accumulator alone is 128 registers."),
 }
-# backward head dim: (kBlockM query rows per step, kBlockN keys per CTA, kStages, kDqSplits, reason)
+# backward head dim: (kBlockM query rows per step, kBlockN keys per CTA, kStages, reason)
 BWD_TILES = {
-    64: (64, 128, 2, 1, "K+V 32 KB + 2 stages x (Q+dO) 16 KB + dS 32 KB = 96 KB; dK+dV+dQ 32+32+32 registers."),
-    96: (64, 128, 2, 1, "K+V 48 KB + 2 stages x (Q+dO) 24 KB + dS 32 KB = 128 KB; dK+dV+dQ 48+48+48 registers."),
-    128: (64, 128, 2, 2, "K+V 64 KB + 2 stages x (Q+dO) 32 KB + dS 32 KB = 160 KB; dQ in two 64-column "
-                         "slices so dK+dV+dQ stay at 64+64+32 registers."),
+    64: (64, 128, 2, "K+V 32 KB + 2 stages x (Q+dO) 16 KB + dS 16 KB + dQ 16 KB = 96 KB; 64-byte "
+                     "swizzle so each consumer's 32 dQ columns are one chunk."),
+    96: (64, 128, 2, "K+V 48 KB + 2 stages x (Q+dO) 24 KB + dS 16 KB + dQ 24 KB = 136 KB; 32-byte "
+                     "swizzle (48 dQ columns per consumer = 3 chunks)."),
+    128: (64, 128, 2, "K+V 64 KB + 2 stages x (Q+dO) 32 KB + dS 16 KB + dQ 32 KB = 176 KB; "
+                      "registers dK + dV + dQ half = 64 + 64 + 32 per thread."),
 }
 DTYPES = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t"}
 FEATURES = [(False, False), (False, True), (True, False), (True, True)]  # (window, softcap)
@@ -67,11 +69,11 @@ def head_dims_h() -> str:
 
 def bwd_tile_sizes_h() -> str:
     rows = []
-    for d, (m, n, stages, splits, why) in BWD_TILES.items():
+    for d, (m, n, stages, why) in BWD_TILES.items():
         rows.append(f"// {why}\ntemplate <> struct BwdTileSize<{d}> {{ static constexpr int kBlockM = {m}, "
-                    f"kBlockN = {n}, kStages = {stages}, kDqSplits = {splits}; }};")
+                    f"kBlockN = {n}, kStages = {stages}; }};")
     return (BANNER + "//\n// One row per compiled backward head dim: kBlockM query rows per step, kBlockN "
-            "keys per CTA,\n// kStages pipeline depth, kDqSplits column slices of the dQ GEMM, and why.\n"
+            "keys per CTA,\n// kStages pipeline depth, and why.\n"
             "#pragma once\n\nnamespace flash::hopper {\n\ntemplate <int kHeadDim>\nstruct BwdTileSize;\n\n"
             + "\n".join(rows) + "\n\n}  // namespace flash::hopper\n")
 

@@ -157,7 +157,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
     rows, heads = _workspace_rows(q, cu_seqlens_q)
     lse2 = torch.empty(rows * heads, device=q.device, dtype=torch.float32)
     delta = torch.empty_like(lse2)
-    dq_acc = torch.zeros(rows * heads, q.shape[-1], device=q.device, dtype=torch.float32)
+    kernel_dim = min(d for d in _COMPILED_BWD_HEAD_DIMS if d >= q.shape[-1])
+    dq_acc = torch.zeros(rows * heads, kernel_dim, device=q.device, dtype=torch.float32)
     _op("hopper_bwd")(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, dq_acc, lse2, delta,
                       cu_seqlens_q, cu_seqlens_k, int(params.max_seqlen_q),
                       int(params.max_seqlen_k), float(params.softmax_scale),
