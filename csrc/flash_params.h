@@ -87,6 +87,7 @@ struct FlashBwdParams {
   float* delta;
   int64_t ws_rows;
   int dq_acc_cols;  // the compiled head dim the call runs on (>= head_dim)
+  int* dq_semaphore;  // deterministic mode: one zeroed int per workspace block; else null
 };
 
 // Runs the sm90 forward on `stream` (a cudaStream_t). On failure returns the status and writes a

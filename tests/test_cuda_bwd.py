@@ -40,13 +40,14 @@ def attn_params(flash_attn):
     return importlib.import_module(flash_attn.__name__ + "._params").AttnParams
 
 
-def _params(attn_params, d, *, causal=False, window=(-1, -1), softcap=0.0, max_q, max_k):
+def _params(attn_params, d, *, causal=False, window=(-1, -1), softcap=0.0, max_q, max_k,
+            deterministic=False):
     left, right = window
     if causal:
         right = 0
     return attn_params(softmax_scale=d ** -0.5, causal=causal, window_left=left,
                        window_right=right, softcap=softcap, dropout_p=0.0, seed=0,
-                       deterministic=False, max_seqlen_q=max_q, max_seqlen_k=max_k)
+                       deterministic=deterministic, max_seqlen_q=max_q, max_seqlen_k=max_k)
 
 
 def _check(backend, q, k, v, params, *, cu_q=None, cu_k=None, s_aux=None, label=""):
@@ -184,6 +185,33 @@ def test_against_triton(cuda_backend, flash_attn, attn_params, causal):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("case", ["gqa_causal", "mqa_band", "varlen_causal"])
+def test_deterministic_is_bitwise_reproducible(cuda_backend, attn_params, case):
+    """deterministic=True orders the dQ reductions: the gradients match the reference and two
+    runs give identical bits."""
+    torch.manual_seed(29)
+    cu_q = cu_k = None
+    if case == "varlen_causal":
+        q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv([700, 1, 0, 1300], [900, 1, 5, 1300],
+                                                            8, 2, 128, device="cuda")
+        params = _params(attn_params, 128, causal=True, max_q=max_q, max_k=max_k,
+                         deterministic=True)
+    else:
+        hkv, window = (2, (-1, 0)) if case == "gqa_causal" else (1, (300, 100))
+        q, k, v = _qkv(2, 1500, 1700, 8, hkv, 128, seed=31)
+        params = _params(attn_params, 128, causal=window == (-1, 0), window=window, max_q=1500,
+                         max_k=1700, deterministic=True)
+    _check(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k)  # right, first
+    launch = dict(params=params, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    out, lse = run_forward(cuda_backend, q, k, v, **launch)
+    dout = torch.randn_like(out)
+    runs = [run_backward(cuda_backend, dout, q, k, v, out, lse, **launch) for _ in range(2)]
+    for name in ("dq", "dk", "dv"):
+        assert torch.equal(runs[0][name], runs[1][name]), f"{name} differs between two runs"
+
+
+@pytest.mark.gpu
+@needs_sm90
 def test_no_query_head_sized_buffers(cuda_backend, attn_params):
     """GQA 32/8: the backward allocates only its fp32 workspaces (dQ accumulator, lse2, delta,
     all q-sized or smaller): no (.., Hq, D) dK/dV and no reduction buffer."""
@@ -223,8 +251,8 @@ def test_small_all_features_once(cuda_backend, attn_params):
 
 
 def test_supports_excludes_what_it_cannot_run(cuda_backend, attn_params):
-    """CPU tensors, deterministic mode, dropout, ALiBi and uncompiled backward head dims go to
-    Triton; no GPU needed."""
+    """CPU tensors, dropout, ALiBi and uncompiled backward head dims go to Triton;
+    deterministic mode stays. No GPU needed for the first check."""
     q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
     base = _params(attn_params, 128, max_q=8, max_k=8)
     features = dict(varlen=False, alibi=False, sink=False)
@@ -233,8 +261,8 @@ def test_supports_excludes_what_it_cannot_run(cuda_backend, attn_params):
         return
     q = q.cuda()
     assert cuda_backend.supports(q, q, base, backward=True, **features)
-    assert not cuda_backend.supports(q, q, dataclasses.replace(base, deterministic=True),
-                                     backward=True, **features)
+    assert cuda_backend.supports(q, q, dataclasses.replace(base, deterministic=True),
+                                 backward=True, **features)
     assert not cuda_backend.supports(q, q, dataclasses.replace(base, dropout_p=0.1),
                                      backward=True, **features)
     assert not cuda_backend.supports(q, q, base, backward=True, **{**features, "alibi": True})

@@ -227,8 +227,8 @@ def test_supports_declines_without_sm90_or_features(cuda_backend, attn_params):
         return
     qc = q.cuda()
     assert cuda_backend.supports(qc, qc, params, backward=False, **flags)
-    # the backward has its own cases (tests/test_cuda_bwd.py); deterministic mode is not one
-    assert not cuda_backend.supports(qc, qc, dataclasses.replace(params, deterministic=True),
+    # the backward has its own cases (tests/test_cuda_bwd.py); dropout is not one
+    assert not cuda_backend.supports(qc, qc, dataclasses.replace(params, dropout_p=0.1),
                                      backward=True, **flags)
     assert not cuda_backend.supports(qc, qc, params, backward=False, varlen=False, alibi=True,
                                      sink=False)

@@ -211,9 +211,9 @@ void hopper_fwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
 
 void hopper_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dq,
                 Tensor dk, Tensor dv, Tensor dq_acc, Tensor lse2, Tensor delta,
-                std::optional<Tensor> cu_seqlens_q, std::optional<Tensor> cu_seqlens_k,
-                int64_t max_seqlen_q, int64_t max_seqlen_k, double scale, int64_t window_left,
-                int64_t window_right, double softcap) {
+                std::optional<Tensor> dq_semaphore, std::optional<Tensor> cu_seqlens_q,
+                std::optional<Tensor> cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                double scale, int64_t window_left, int64_t window_right, double softcap) {
   constexpr const char* op = "hopper_bwd";
   flash::FlashBwdParams b{};
   b.fwd = forward_params(op, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -273,6 +273,14 @@ void hopper_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor ls
   b.delta = static_cast<float*>(delta.mutable_data_ptr());
   b.ws_rows = ws_rows;
   b.dq_acc_cols = static_cast<int>(dq_acc.size(1));
+  if (dq_semaphore.has_value()) {
+    const Tensor& sem = *dq_semaphore;
+    STD_TORCH_CHECK(sem.is_cuda() && sem.scalar_type() == ScalarType::Int &&
+                        sem.is_contiguous() && sem.numel() * 64 == lse2.numel(),
+                    op, ": dq_semaphore must be a contiguous int32 CUDA vector, one per 64 "
+                    "workspace rows");
+    b.dq_semaphore = static_cast<int*>(sem.mutable_data_ptr());
+  }
   const int32_t device = q.get_device_index();
   torch::stable::accelerator::DeviceGuard guard(device);
   char why[256] = {0};
@@ -285,7 +293,8 @@ STABLE_TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
         "int max_seqlen_k, float scale, int window_left, int window_right, float softcap) -> ()");
   m.def("hopper_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor(d!) dq_acc, Tensor(e!) lse2, "
-        "Tensor(f!) delta, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, "
+        "Tensor(f!) delta, Tensor(g!)? dq_semaphore, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+        "int max_seqlen_q, "
         "int max_seqlen_k, float scale, int window_left, int window_right, float softcap) -> ()");
 }
 

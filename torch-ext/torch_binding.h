@@ -17,12 +17,15 @@ void hopper_fwd(torch::stable::Tensor q, torch::stable::Tensor k, torch::stable:
 
 // hopper_bwd: sm90 backward into caller-allocated dq / dk / dv, with the fp32 workspaces dq_acc
 // (zeroed; as many columns as the compiled head dim the call runs on), lse2 and delta laid out
-// as [Note] Backward workspaces in csrc/flash_params.h says.
+// as [Note] Backward workspaces in csrc/flash_params.h says; dq_semaphore (zeroed int32, one per
+// 64 workspace rows) makes dq bitwise reproducible.
 void hopper_bwd(torch::stable::Tensor dout, torch::stable::Tensor q, torch::stable::Tensor k,
                 torch::stable::Tensor v, torch::stable::Tensor out, torch::stable::Tensor lse,
                 torch::stable::Tensor dq, torch::stable::Tensor dk, torch::stable::Tensor dv,
                 torch::stable::Tensor dq_acc, torch::stable::Tensor lse2,
-                torch::stable::Tensor delta, std::optional<torch::stable::Tensor> cu_seqlens_q,
+                torch::stable::Tensor delta,
+                std::optional<torch::stable::Tensor> dq_semaphore,
+                std::optional<torch::stable::Tensor> cu_seqlens_q,
                 std::optional<torch::stable::Tensor> cu_seqlens_k, int64_t max_seqlen_q,
                 int64_t max_seqlen_k, double scale, int64_t window_left, int64_t window_right,
                 double softcap);

@@ -37,6 +37,14 @@
 // stored in fragment order (chunk g of consumer w's columns: 128 float4 of its 128 threads), so
 // the stores are conflict-free and one contiguous bulk copy carries the tile; dq_acc keeps that
 // order and the cast kernel undoes it.
+//
+// [Note] Deterministic dQ
+// With a semaphore array (one int per workspace block, zeroed), the CTAs that add into one dQ
+// block do so in increasing key-block order: CTA n waits until the block's counter equals its
+// rank n - n_first among the key blocks that see the query block, reduces, waits for the
+// reduce to complete and publishes rank + 1. The same fp32 additions in the same order make dQ
+// bitwise reproducible. CTAs are dispatched in blockIdx order, so a CTA only ever waits on
+// lower key blocks of its (kv head, batch), which never wait on it.
 #pragma once
 
 #include "bwd_traits.h"
@@ -82,6 +90,16 @@ __device__ __forceinline__ void bulk_wait_all() {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_release(int* p, int v) {
+  asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk reduce's writes first
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 // First padded row of (batch, head) in the workspaces.
 __device__ __forceinline__ int64_t workspace_row(const FlashBwdParams& p, int batch, int head) {
   if (p.fwd.cu_seqlens_q != nullptr) {
@@ -92,25 +110,45 @@ __device__ __forceinline__ int64_t workspace_row(const FlashBwdParams& p, int ba
   return (int64_t(batch) * p.fwd.heads_q + head) * p.ws_rows;
 }
 
-// Query blocks [m_min, m_max) holding a query that sees a key of [key_lo, key_hi].
+// Blocks of `block` positions on one axis that hold a position in [lo, hi] after clipping
+// to [0, extent); empty (first >= last) when nothing is left.
+__device__ __forceinline__ void clipped_blocks(int lo, int hi, int extent, int block, int& first,
+                                               int& last) {
+  lo = max(lo, 0);
+  hi = min(hi, extent - 1);
+  first = lo / block;
+  last = lo > hi ? first : hi / block + 1;
+}
+
+// Query blocks [m_min, m_max) holding an existing query that sees a key of [key_lo, key_hi]
+// (existing keys). Exact, and the mirror of key_blocks_of_query_block: a CTA visits query
+// block m iff that function's range for m holds the CTA's key block (deterministic mode's
+// ordering counts on it).
 template <class Traits>
 __device__ __forceinline__ void query_block_range(const FlashParams& p, int key_lo, int key_hi,
                                                   int seqlen_q, int seqlen_k, int& m_min,
                                                   int& m_max) {
-  constexpr int M = Traits::kBlockM;
-  m_min = 0;
-  m_max = (seqlen_q + M - 1) / M;
+  const int diag = seqlen_k - seqlen_q;
+  int first_q = 0, last_q = seqlen_q - 1;
   if constexpr (Traits::kWindow) {
-    const int diag = seqlen_k - seqlen_q;
-    if (p.window_right >= 0) {
-      const int first_q = key_lo - diag - p.window_right;
-      m_min = first_q <= 0 ? 0 : first_q / M;
-    }
-    if (p.window_left >= 0) {
-      const int last_q = key_hi - diag + p.window_left;
-      m_max = min(m_max, last_q < 0 ? 0 : last_q / M + 1);
-    }
+    if (p.window_right >= 0) first_q = key_lo - diag - p.window_right;
+    if (p.window_left >= 0) last_q = key_hi - diag + p.window_left;
   }
+  clipped_blocks(first_q, last_q, seqlen_q, Traits::kBlockM, m_min, m_max);
+}
+
+// Key blocks [n_min, n_max) holding an existing key visible from a query of [row_lo, row_hi].
+template <class Traits>
+__device__ __forceinline__ void key_blocks_of_query_block(const FlashParams& p, int row_lo,
+                                                          int row_hi, int seqlen_q, int seqlen_k,
+                                                          int& n_min, int& n_max) {
+  const int diag = seqlen_k - seqlen_q;
+  int first_k = 0, last_k = seqlen_k - 1;
+  if constexpr (Traits::kWindow) {
+    if (p.window_left >= 0) first_k = row_lo + diag - p.window_left;
+    if (p.window_right >= 0) last_k = row_hi + diag + p.window_right;
+  }
+  clipped_blocks(first_k, last_k, seqlen_k, Traits::kBlockN, n_min, n_max);
 }
 
 // delta = rowsum(dO * O) and lse2 = lse * log2(e) into the padded workspaces; one CTA per
@@ -485,8 +523,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       cutlass::arch::fence_view_async_shared();
       consumers_barrier_sync(kDqBarrier);
       if (threadIdx.x == 128) {
-        float* dst = p.dq_acc + (workspace_row(p, batch, head) + q_lo) * D;
-        bulk_reduce_add(dst, dq_tile, Traits::kTileBytesDq);
+        const int64_t ws_row = workspace_row(p, batch, head) + q_lo;
+        int* turn = p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + ws_row / M;
+        int rank = 0;
+        if (turn != nullptr) {  // [Note] Deterministic dQ
+          int n_first, n_end;
+          key_blocks_of_query_block<Traits>(f, q_lo, min(q_lo + M, seq.seqlen_q) - 1,
+                                            seq.seqlen_q, seq.seqlen_k, n_first, n_end);
+          rank = n_block - n_first;
+          while (load_acquire(turn) != rank) {
+          }
+        }
+        bulk_reduce_add(p.dq_acc + ws_row * D, dq_tile, Traits::kTileBytesDq);
+        if (turn != nullptr) {
+          bulk_wait_all();
+          store_release(turn, rank + 1);
+        }
       }
       st.advance();
     }

@@ -3,8 +3,9 @@
 Calls the compiled destination-passing ops ``ops.hopper_fwd`` and ``ops.hopper_bwd``
 (csrc/hopper, registered in torch-ext/torch_binding.cpp). The backward recomputes from q, k, v,
 out and lse (the Triton forward's lse has the same definition, so either forward pairs with
-either backward). It covers the compiled backward head dims; deterministic mode, dropout and
-ALiBi run on Triton (``supports`` says False and the dispatcher logs the fallback).
+either backward). It covers the compiled backward head dims; deterministic mode orders the dQ
+reductions (bitwise reproducible); dropout and ALiBi run on Triton (``supports`` says False and
+the dispatcher logs the fallback).
 
 Importing this module touches neither CUDA nor the compiled extension; ``supports`` returns
 False when the extension is absent (noarch builds) or the op is missing from it.
@@ -79,8 +80,8 @@ def supports(q: torch.Tensor, k: torch.Tensor, params: AttnParams, *, backward: 
     del varlen, sink  # both implemented
     if alibi or params.dropout_p > 0:
         return False
-    if backward and (params.deterministic or q.shape[-3] == 0):
-        return False  # dQ is summed with atomics; the copy engine needs a non-empty q
+    if backward and q.shape[-3] == 0:
+        return False  # the copy engine needs a non-empty q
     if q.device.type != "cuda" or q.dtype not in _DTYPES or k.dtype != q.dtype:
         return False
     head_dim = q.shape[-1]
@@ -144,8 +145,7 @@ def _unpadded(ws: torch.Tensor, q: torch.Tensor, cu_seqlens_q, rows: int) -> tor
 def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_seqlens_k, s_aux,
              alibi_slopes, params: AttnParams) -> None:
     """Destination-passing backward (see the backend interface in the package contract)."""
-    assert alibi_slopes is None and params.dropout_p == 0 and not params.deterministic, \
-        "supports() excludes these"
+    assert alibi_slopes is None and params.dropout_p == 0, "supports() excludes these"
     if not (_copy_engine_ok(v) and _copy_engine_ok(dout)):
         logger.info("flash_attn backward: v or dout strides/alignment do not suit the CUDA "
                     "kernel; running the Triton backward instead")
@@ -159,8 +159,10 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
     delta = torch.empty_like(lse2)
     kernel_dim = min(d for d in _COMPILED_BWD_HEAD_DIMS if d >= q.shape[-1])
     dq_acc = torch.zeros(rows * heads, kernel_dim, device=q.device, dtype=torch.float32)
+    semaphore = (torch.zeros(rows * heads // _WORKSPACE_ROWS, device=q.device, dtype=torch.int32)
+                 if params.deterministic else None)
     _op("hopper_bwd")(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, dq_acc, lse2, delta,
-                      cu_seqlens_q, cu_seqlens_k, int(params.max_seqlen_q),
+                      semaphore, cu_seqlens_q, cu_seqlens_k, int(params.max_seqlen_q),
                       int(params.max_seqlen_k), float(params.softmax_scale),
                       int(params.window_left), int(params.window_right), float(params.softcap))
     if ds_aux is not None:
