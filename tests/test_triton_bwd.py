@@ -391,6 +391,10 @@ def test_group_split_choice(bwd):
     assert choose(10, 1, 132) == 1  # MHA
     assert choose(10, 3, 132) == 1  # no power of two divides an odd group
     assert choose(10, 6, 132) == 2
+    # without a band one wave suffices: MQA 32/1 at 16k tokens is not split, a short one is
+    assert choose(128, 32, 132, banded=False) == 1
+    assert choose(32, 32, 132, banded=False) == 4
+    assert choose(10, 6, 132, banded=False) == 2
     for programs, group in itertools.product((1, 7, 64, 128, 300, 529, 5000), (1, 2, 8, 32)):
         splits = choose(programs, group, 132)
         assert group % splits == 0 and splits & (splits - 1) == 0
