@@ -406,8 +406,11 @@ def test_dispatch_auto_skips_unvalidated_cuda_backward(dispatch, monkeypatch):
     assert _select(dispatch, "backward") == "_triton_bwd"
     fake.BWD_VALIDATED = True
     assert _select(dispatch, "backward") == "_cuda"
-    fake.BWD_VALIDATED = False
+    fake.backward_prefers_triton = lambda q, k, params: "a small banded grid"
+    assert _select(dispatch, "backward") == "_triton_bwd"  # auto follows the preference
     monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "cuda")
+    assert _select(dispatch, "backward") == "_cuda"  # a forced backend does not
+    fake.BWD_VALIDATED = False
     assert _select(dispatch, "backward") == "_cuda"
 
 

@@ -77,22 +77,29 @@ def _check(backend, q, k, v, params, *, cu_q=None, cu_k=None, s_aux=None, label=
 
 def _assert_within_rounding_noise(name, ours, q, k, v, out, dout, ref64, kwargs, label):
     """dQ and dK when every query sees at most one key: dS is exactly 0, so are they, and the
-    relative rule has nothing to measure against. A FlashAttention backward takes
-    delta = rowsum(dO * O) from the rounded O (the only O it has), so its dS carries
-    P * (delta - delta'). Bound: three times the float64 gradient of that difference alone,
-    scale * e * (P K) for dQ and scale * P^T (e * Q) for dK, e = delta - delta'."""
+    relative rule has nothing to measure against. A FlashAttention backward computes
+    dS = P * (dP - delta) with delta = rowsum(dO * O) from the rounded O (the only O it has)
+    and both dot products in fp32, so dS keeps (1) P * (delta - delta') and (2) the fp32
+    rounding of a difference of two sums of size a = rowsum(|dO| * |O|). Bound: three times the
+    float64 gradient of (1), e = delta - delta', plus 2^-16 times the gradient an uncancelled
+    a would give (fp32 keeps 2^-24 per term over D <= 256 terms)."""
     assert not kwargs["softcap"], "the bound ignores the softcap factor"
     f64 = [t.detach().double() for t in (q, k, v)]
     e = ((dout.double() * (ref64["out"].double() - out.double())).sum(-1))[..., None]
+    a = (dout.double().abs() * out.double().abs()).sum(-1)[..., None]
     scale = kwargs["softmax_scale"]
-    if name == "dq":
-        pk, _ = attention_reference(f64[0], f64[1], f64[1], dtype=torch.float64, **kwargs)
-        noise = scale * e * pk
-    else:
-        vv = f64[2].requires_grad_(True)
+
+    def through_p(weight):  # scale * (P K) * weight for dQ, scale * P^T (weight * |Q|) for dK
+        if name == "dq":
+            pk, _ = attention_reference(f64[0], f64[1], f64[1].abs(), dtype=torch.float64,
+                                        **kwargs)
+            return scale * weight * pk
+        vv = f64[2].clone().requires_grad_(True)
         o, _ = attention_reference(f64[0], f64[1], vv, dtype=torch.float64, **kwargs)
-        noise = scale * torch.autograd.grad(o, vv, e * f64[0])[0]
-    limit = 3 * noise.norm().item() + 1e-6
+        return scale * torch.autograd.grad(o, vv, weight * f64[0].abs())[0]
+
+    noise = through_p(e.abs())
+    limit = 3 * noise.norm().item() + 2 ** -16 * through_p(a).norm().item() + 1e-6
     got = ours.double().norm().item()
     assert got <= limit, f"{label} {name}: norm {got:.3e} with an exactly zero gradient; the " \
                          f"rounding of O explains {noise.norm().item():.3e}"
@@ -278,6 +285,21 @@ def test_small_all_features_once(cuda_backend, attn_params):
            s_aux=torch.randn(4, device="cuda"))
     q, k, v = _qkv(2, 70, 150, 4, 1, 64, seed=23)
     _check(cuda_backend, q, k, v, _params(attn_params, 64, causal=True, max_q=70, max_k=150))
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_small_banded_grids_prefer_triton(cuda_backend, attn_params):
+    """auto's preference ([Note: small banded grids]): MQA causal at 4k x 4 on an H200 goes to
+    Triton; the same without a mask, or GQA 32/8 causal, stays on CUDA."""
+    q = torch.empty(4, 4096, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k_mqa = torch.empty(4, 4096, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k_gqa = torch.empty(4, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
+    causal = _params(attn_params, 128, causal=True, max_q=4096, max_k=4096)
+    full = _params(attn_params, 128, max_q=4096, max_k=4096)
+    assert cuda_backend.backward_prefers_triton(q, k_mqa, causal)
+    assert cuda_backend.backward_prefers_triton(q, k_mqa, full) is None
+    assert cuda_backend.backward_prefers_triton(q, k_gqa, causal) is None
 
 
 def test_supports_excludes_what_it_cannot_run(cuda_backend, attn_params):
