@@ -302,6 +302,18 @@ def test_small_banded_grids_prefer_triton(cuda_backend, attn_params):
     assert cuda_backend.backward_prefers_triton(q, k_gqa, causal) is None
 
 
+def test_banded_small_head_dims_prefer_triton(cuda_backend, attn_params):
+    """auto's preference at head dims up to 64 under a band (CPU tensors: the SM count is 1,
+    so only the head-dim rule can speak)."""
+    q64 = torch.empty(4, 4096, 32, 64)
+    q128 = torch.empty(4, 4096, 32, 128)
+    causal = _params(attn_params, 64, causal=True, max_q=4096, max_k=4096)
+    full = _params(attn_params, 64, max_q=4096, max_k=4096)
+    assert cuda_backend.backward_prefers_triton(q64, q64, causal)
+    assert cuda_backend.backward_prefers_triton(q64, q64, full) is None
+    assert cuda_backend.backward_prefers_triton(q128, q128, causal) is None
+
+
 def test_supports_excludes_what_it_cannot_run(cuda_backend, attn_params):
     """CPU tensors, dropout, ALiBi and uncompiled backward head dims go to Triton;
     deterministic mode stays. No GPU needed for the first check."""

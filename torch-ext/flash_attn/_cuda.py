@@ -30,15 +30,18 @@ _COMPILED_BWD_HEAD_DIMS = (64, 96, 128)
 # tests/test_gpu.py and compute-sanitizer memcheck/racecheck/synccheck passed on an H200
 # (2026-12-02); FLASH_ATTN_HUB_BACKEND=triton opts out.
 VALIDATED = True
-# The backward's flag: set after tests/test_cuda_bwd.py (91 cases), tests/test_gpu.py through
-# the API and compute-sanitizer memcheck/racecheck passed on an H200 (2026-12-03).
+# The backward's flag: set after tests/test_cuda_bwd.py (92 cases), tests/test_gpu.py (121, through
+# the API with auto) and compute-sanitizer memcheck/racecheck passed on an H200 (2026-12-03).
 BWD_VALIDATED = True
 # [Note: small banded grids] One CTA per (128 keys, kv head, batch): MQA and high GQA ratios
 # give few CTAs, and a causal band makes their work uneven, so the GPU idles while the longest
 # finish (H200, MQA 32/1 causal 4k/16k: 211-235 TFLOP/s against the Triton backward's 356-397,
 # whose launch splits the query-head group). Below SMALL_GRID_WAVES CTAs per SM under a band,
-# the CUDA backward declines and the dispatcher runs Triton.
+# the CUDA backward declines and the dispatcher runs Triton. At head dims up to 64 a band also
+# goes to Triton: there the CUDA backward's per-step overhead weighs more (H200, D=64 causal
+# 4k/16k: CUDA 245/311 TFLOP/s, Triton 278/326; without a mask CUDA leads, 297/328 vs 289/305).
 SMALL_GRID_WAVES = 4
+TRITON_BANDED_MAX_HEAD_DIM = 64
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = max(_COMPILED_HEAD_DIMS)
@@ -73,6 +76,9 @@ def backward_prefers_triton(q: torch.Tensor, k: torch.Tensor, params: AttnParams
     ([Note: small banded grids]); ``FLASH_ATTN_HUB_BACKEND=cuda`` still runs it here."""
     if params.window_left < 0 and params.window_right < 0:
         return None
+    if q.shape[-1] <= TRITON_BANDED_MAX_HEAD_DIM:
+        return (f"a banded backward at head dim {q.shape[-1]} is faster on the Triton backward "
+                f"(measured at 64 on the H200)")
     batch = 1 if q.dim() == 3 else q.shape[0]  # varlen: the packed length stands for it
     rows = params.max_seqlen_k if q.dim() == 4 else k.shape[0]
     ctas = -(-rows // 128) * k.shape[-2] * batch
