@@ -7,6 +7,7 @@ instead of passing on stale memory. Tests marked ``gpu`` are skipped without CUD
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
@@ -43,3 +44,15 @@ def flash_attn(tmp_path_factory):
     root = tmp_path_factory.mktemp("flash_attn_repo")
     build_variant(root / "build")
     return kernels.get_local_kernel(root)
+
+
+@pytest.fixture(scope="module")
+def cuda_backend(flash_attn):
+    """The package's Hopper CUDA backend module (``_cuda``)."""
+    return importlib.import_module(flash_attn.__name__ + "._cuda")
+
+
+@pytest.fixture(scope="module")
+def attn_params(flash_attn):
+    """The package's ``AttnParams`` (test files that load the source package override it)."""
+    return importlib.import_module(flash_attn.__name__ + "._params").AttnParams

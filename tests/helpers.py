@@ -26,6 +26,7 @@ import types
 from itertools import accumulate
 from pathlib import Path
 
+import pytest
 import torch
 
 from reference import assert_close_to_reference, attention_reference
@@ -258,3 +259,11 @@ def run_api(fn, q, k, v, *args, s_aux=None, **kwargs):
         inputs = [q, k, v] + ([] if s_aux is None else [s_aux])
         ours.update(zip(GRAD_NAMES, torch.autograd.grad(out, inputs, dout)))
     return ours, dout
+
+
+def sm90() -> bool:
+    """A Hopper (compute capability 9.0) GPU is present."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(not sm90(), reason="needs an sm90 (Hopper) GPU")

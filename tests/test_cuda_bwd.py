@@ -20,25 +20,11 @@ import importlib
 import pytest
 import torch
 
-from helpers import make_qkv, make_varlen_qkv, reference_results, run_backward, run_forward
+from helpers import (make_qkv, make_varlen_qkv, needs_sm90, reference_results, run_backward,
+                     run_forward, sm90)
 from reference import assert_close_to_reference, attention_reference
 
 
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-needs_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm90 (Hopper) GPU")
-
-
-@pytest.fixture(scope="module")
-def cuda_backend(flash_attn):
-    return importlib.import_module(flash_attn.__name__ + "._cuda")
-
-
-@pytest.fixture(scope="module")
-def attn_params(flash_attn):
-    return importlib.import_module(flash_attn.__name__ + "._params").AttnParams
 
 
 def _params(attn_params, d, *, causal=False, window=(-1, -1), softcap=0.0, max_q, max_k,
@@ -321,7 +307,7 @@ def test_supports_excludes_what_it_cannot_run(cuda_backend, attn_params):
     base = _params(attn_params, 128, max_q=8, max_k=8)
     features = dict(varlen=False, alibi=False, sink=False)
     assert not cuda_backend.supports(q, q, base, backward=True, **features)  # CPU tensors
-    if not _sm90():
+    if not sm90():
         return
     q = q.cuda()
     assert cuda_backend.supports(q, q, base, backward=True, **features)

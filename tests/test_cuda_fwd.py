@@ -21,18 +21,9 @@ import math
 import pytest
 import torch
 
+from helpers import needs_sm90, sm90
 from reference import assert_close_to_reference, attention_reference
 
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-needs_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm90 (Hopper) GPU")
-
-
-@pytest.fixture(scope="module")
-def cuda_backend(flash_attn):
-    return importlib.import_module(flash_attn.__name__ + "._cuda")
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +32,6 @@ def triton_fwd(flash_attn):
         return importlib.import_module(flash_attn.__name__ + "._triton_fwd")
     except ModuleNotFoundError:
         pytest.skip("this build has no Triton forward")
-
-
-@pytest.fixture(scope="module")
-def attn_params(flash_attn):
-    return importlib.import_module(flash_attn.__name__ + "._params").AttnParams
 
 
 def _params(attn_params, d, *, causal=False, window=(-1, -1), softcap=0.0, max_q, max_k, scale=None):
@@ -223,7 +209,7 @@ def test_supports_declines_without_sm90_or_features(cuda_backend, attn_params):
     params = _params(attn_params, 64, max_q=8, max_k=8)
     flags = dict(varlen=False, alibi=False, sink=False)
     assert not cuda_backend.supports(q, q, params, backward=False, **flags)  # CPU tensors
-    if not _sm90():
+    if not sm90():
         return
     qc = q.cuda()
     assert cuda_backend.supports(qc, qc, params, backward=False, **flags)

@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "../flash_params.h"
+#include "dispatch_checks.h"
 #include "bwd_head_dims.h"
 #include "bwd_run.h"
 
@@ -40,34 +41,8 @@ FwdStatus run_head_dim(const FlashBwdParams& p, cudaStream_t stream, char* why, 
 
 FwdStatus hopper_bwd(const FlashBwdParams& p, void* stream, char* why, int why_len) {
   const FlashParams& f = p.fwd;
-  int device = 0;
-  int major = 0;
-  int minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    std::snprintf(why, why_len, "could not query the current CUDA device");
-    return FwdStatus::kNoKernelForArch;
-  }
-  if (major != 9 || minor != 0) {
-    std::snprintf(why, why_len, "the sm90 backward needs compute capability 9.0, got %d.%d",
-                  major, minor);
-    return FwdStatus::kNoKernelForArch;
-  }
-  if (f.head_dim <= 0 || f.head_dim % 8 != 0) {
-    std::snprintf(why, why_len, "head dim %d is not a positive multiple of 8", f.head_dim);
-    return FwdStatus::kUnsupportedShape;
-  }
-  if (f.heads_kv <= 0 || f.heads_q % f.heads_kv != 0) {
-    std::snprintf(why, why_len, "query heads %d are not a multiple of kv heads %d", f.heads_q,
-                  f.heads_kv);
-    return FwdStatus::kUnsupportedShape;
-  }
-  if (f.batch > 65535 || f.heads_q > 65535) {
-    std::snprintf(why, why_len, "batch %d or heads %d exceed the grid limit 65535", f.batch,
-                  f.heads_q);
-    return FwdStatus::kUnsupportedShape;
-  }
+  const FwdStatus checked = hopper::check_device_and_shape(f, "backward", why, why_len);
+  if (checked != FwdStatus::kOk) return checked;
   if (f.batch == 0 || f.heads_q == 0) return FwdStatus::kOk;
   if (f.rows_q == 0 || f.rows_k == 0) {
     std::snprintf(why, why_len, "q or k has no rows (the copy engine needs non-empty tensors)");

@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "../flash_params.h"
+#include "dispatch_checks.h"
 #include "fwd_run.h"
 #include "head_dims.h"
 
@@ -39,34 +40,8 @@ FwdStatus run_head_dim(const FlashParams& p, cudaStream_t stream, char* why, int
 }  // namespace
 
 FwdStatus hopper_fwd(const FlashParams& p, void* stream, char* why, int why_len) {
-  int device = 0;
-  int major = 0;
-  int minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    std::snprintf(why, why_len, "could not query the current CUDA device");
-    return FwdStatus::kNoKernelForArch;
-  }
-  if (major != 9 || minor != 0) {
-    std::snprintf(why, why_len, "the sm90 forward needs compute capability 9.0, got %d.%d", major,
-                  minor);
-    return FwdStatus::kNoKernelForArch;
-  }
-  if (p.head_dim <= 0 || p.head_dim % 8 != 0) {
-    std::snprintf(why, why_len, "head dim %d is not a positive multiple of 8", p.head_dim);
-    return FwdStatus::kUnsupportedShape;
-  }
-  if (p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) {
-    std::snprintf(why, why_len, "query heads %d are not a multiple of kv heads %d", p.heads_q,
-                  p.heads_kv);
-    return FwdStatus::kUnsupportedShape;
-  }
-  if (p.batch > 65535 || p.heads_q > 65535) {
-    std::snprintf(why, why_len, "batch %d or heads %d exceed the grid limit 65535", p.batch,
-                  p.heads_q);
-    return FwdStatus::kUnsupportedShape;
-  }
+  const FwdStatus checked = hopper::check_device_and_shape(p, "forward", why, why_len);
+  if (checked != FwdStatus::kOk) return checked;
   if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0 || p.rows_q == 0) return FwdStatus::kOk;
   if (p.rows_k == 0) {
     std::snprintf(why, why_len, "k and v have no rows (the copy engine needs a non-empty tensor)");
