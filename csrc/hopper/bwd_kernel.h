@@ -495,6 +495,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       for (int i = 0; i < size(tSrDp); ++i) tSsDs(i) = Element(tSrDp(i));
       cutlass::arch::fence_view_async_shared();
       if (threadIdx.x == 128) bulk_wait_read();  // the last reduce has read the dQ tile
+      __syncwarp();
       consumers_barrier_sync(kDsBarrier);
 
       // dQ tile, this consumer's half of the columns, over all kBlockN keys
@@ -533,6 +534,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
           rank = n_block - n_first;
           while (load_acquire(turn) != rank) {
           }
+          // the previous CTA's reduce, seen through the acquire, before ours in the async proxy
+          asm volatile("fence.proxy.async.global;" ::: "memory");
         }
         bulk_reduce_add(p.dq_acc + ws_row * D, dq_tile, Traits::kTileBytesDq);
         if (turn != nullptr) {
@@ -540,6 +543,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
           store_release(turn, rank + 1);
         }
       }
+      __syncwarp();  // thread 128's warp meets again before the next step's barriers and wgmma
       st.advance();
     }
     if (threadIdx.x == 128) bulk_wait_all();
