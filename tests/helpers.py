@@ -267,3 +267,16 @@ def sm90() -> bool:
 
 
 needs_sm90 = pytest.mark.skipif(not sm90(), reason="needs an sm90 (Hopper) GPU")
+
+
+def backend_params(attn_params, head_dim, *, causal=False, window=(-1, -1), softcap=0.0, max_q,
+                   max_k, scale=None, deterministic=False):
+    """An ``AttnParams`` as the dispatcher hands it to a backend: causal forces
+    ``window_right = 0``; scale ``head_dim ** -0.5`` unless given; no dropout."""
+    left, right = window
+    if causal:
+        right = 0
+    return attn_params(softmax_scale=head_dim ** -0.5 if scale is None else scale, causal=causal,
+                       window_left=left, window_right=right, softcap=softcap, dropout_p=0.0,
+                       seed=0, deterministic=deterministic, max_seqlen_q=max_q,
+                       max_seqlen_k=max_k)

@@ -20,21 +20,11 @@ import importlib
 import pytest
 import torch
 
-from helpers import (make_qkv, make_varlen_qkv, needs_sm90, reference_results, run_backward,
-                     run_forward, sm90)
+from helpers import (backend_params, make_qkv, make_varlen_qkv, needs_sm90, reference_results,
+                     run_backward, run_forward, sm90)
 from reference import assert_close_to_reference, attention_reference
 
 
-
-
-def _params(attn_params, d, *, causal=False, window=(-1, -1), softcap=0.0, max_q, max_k,
-            deterministic=False):
-    left, right = window
-    if causal:
-        right = 0
-    return attn_params(softmax_scale=d ** -0.5, causal=causal, window_left=left,
-                       window_right=right, softcap=softcap, dropout_p=0.0, seed=0,
-                       deterministic=deterministic, max_seqlen_q=max_q, max_seqlen_k=max_k)
 
 
 def _check(backend, q, k, v, params, *, cu_q=None, cu_k=None, s_aux=None, label=""):
@@ -103,7 +93,8 @@ def _qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, seed=0, **kw):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_head_dims(cuda_backend, attn_params, dtype, d, causal):
     q, k, v = _qkv(2, 257, 257, 4, 4, d, dtype, seed=d)
-    _check(cuda_backend, q, k, v, _params(attn_params, d, causal=causal, max_q=257, max_k=257))
+    _check(cuda_backend, q, k, v, backend_params(attn_params, d, causal=causal, max_q=257,
+                                                 max_k=257))
 
 
 @pytest.mark.gpu
@@ -111,7 +102,7 @@ def test_head_dims(cuda_backend, attn_params, dtype, d, causal):
 @pytest.mark.parametrize("d", [8, 40, 72, 80, 112, 120])
 def test_head_dims_between_buckets(cuda_backend, attn_params, d):
     q, k, v = _qkv(1, 113, 239, 2, 2, d, seed=d)
-    _check(cuda_backend, q, k, v, _params(attn_params, d, max_q=113, max_k=239))
+    _check(cuda_backend, q, k, v, backend_params(attn_params, d, max_q=113, max_k=239))
 
 
 @pytest.mark.gpu
@@ -122,7 +113,8 @@ def test_head_dims_between_buckets(cuda_backend, attn_params, d):
                          ids=["full", "causal", "band", "diag", "left"])
 def test_lengths_and_windows(cuda_backend, attn_params, sq, sk, window):
     q, k, v = _qkv(2, sq, sk, 3, 3, 128, seed=sq * 7 + sk)
-    params = _params(attn_params, 128, causal=window == (-1, 0), window=window, max_q=sq, max_k=sk)
+    params = backend_params(attn_params, 128, causal=window == (-1, 0), window=window, max_q=sq,
+                            max_k=sk)
     _check(cuda_backend, q, k, v, params)
 
 
@@ -134,7 +126,7 @@ def test_softcap(cuda_backend, attn_params, causal, d):
     q, k, v = _qkv(2, 300, 300, 2, 2, d, seed=3)
     q = q * 4  # large scores, so the cap bites
     _check(cuda_backend, q, k, v,
-           _params(attn_params, d, causal=causal, softcap=5.0, max_q=300, max_k=300))
+           backend_params(attn_params, d, causal=causal, softcap=5.0, max_q=300, max_k=300))
 
 
 @pytest.mark.gpu
@@ -145,7 +137,7 @@ def test_sinks(cuda_backend, attn_params, sq, sk, causal):
     q, k, v = _qkv(2, sq, sk, 4, 2, 128, seed=5)
     s_aux = torch.randn(4, device="cuda", dtype=torch.float32) * 2
     grads = _check(cuda_backend, q, k, v,
-                   _params(attn_params, 128, causal=causal, max_q=sq, max_k=sk), s_aux=s_aux)
+                   backend_params(attn_params, 128, causal=causal, max_q=sq, max_k=sk), s_aux=s_aux)
     assert "ds_aux" in grads
 
 
@@ -156,7 +148,8 @@ def test_sinks(cuda_backend, attn_params, sq, sk, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gqa(cuda_backend, attn_params, hq, hkv, causal):
     q, k, v = _qkv(2, 200, 333, hq, hkv, 128, torch.float16, seed=hq + hkv)
-    _check(cuda_backend, q, k, v, _params(attn_params, 128, causal=causal, max_q=200, max_k=333))
+    _check(cuda_backend, q, k, v, backend_params(attn_params, 128, causal=causal, max_q=200,
+                                                 max_k=333))
 
 
 @pytest.mark.gpu
@@ -170,7 +163,7 @@ def test_varlen_with_empty_sequences(cuda_backend, attn_params, window, d):
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv(seq_q, seq_k, 4, 2, d,
                                                         dtype=torch.bfloat16, device="cuda")
     s_aux = torch.randn(4, device="cuda") if window == (33, 7) else None
-    params = _params(attn_params, d, causal=window == (-1, 0), window=window, max_q=max_q,
+    params = backend_params(attn_params, d, causal=window == (-1, 0), window=window, max_q=max_q,
                      max_k=max_k)
     _check(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k, s_aux=s_aux)
 
@@ -181,7 +174,7 @@ def test_varlen_with_empty_sequences(cuda_backend, attn_params, window, d):
 def test_strided_layouts(cuda_backend, attn_params, kv_layout):
     q, k, v = _qkv(2, 190, 190, 4, 2, 128, seed=13, transposed=True, kv_layout=kv_layout)
     for causal in (False, True):
-        _check(cuda_backend, q, k, v, _params(attn_params, 128, causal=causal, max_q=190,
+        _check(cuda_backend, q, k, v, backend_params(attn_params, 128, causal=causal, max_q=190,
                                               max_k=190), label=f"{kv_layout} causal={causal}")
 
 
@@ -196,7 +189,7 @@ def test_against_triton(cuda_backend, flash_attn, attn_params, causal):
     except ModuleNotFoundError:
         pytest.skip("this build has no Triton backward")
     q, k, v = _qkv(2, 1000, 1000, 8, 2, 128, seed=17)
-    params = _params(attn_params, 128, causal=causal, max_q=1000, max_k=1000)
+    params = backend_params(attn_params, 128, causal=causal, max_q=1000, max_k=1000)
     out, lse = run_forward(cuda_backend, q, k, v, params=params)
     dout = torch.randn_like(out)
     ours = run_backward(cuda_backend, dout, q, k, v, out, lse, params=params)
@@ -217,12 +210,13 @@ def test_deterministic_is_bitwise_reproducible(cuda_backend, attn_params, case):
     if case == "varlen_causal":
         q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv([700, 1, 0, 1300], [900, 1, 5, 1300],
                                                             8, 2, 128, device="cuda")
-        params = _params(attn_params, 128, causal=True, max_q=max_q, max_k=max_k,
+        params = backend_params(attn_params, 128, causal=True, max_q=max_q, max_k=max_k,
                          deterministic=True)
     else:
         hkv, window = (2, (-1, 0)) if case == "gqa_causal" else (1, (300, 100))
         q, k, v = _qkv(2, 1500, 1700, 8, hkv, 128, seed=31)
-        params = _params(attn_params, 128, causal=window == (-1, 0), window=window, max_q=1500,
+        params = backend_params(attn_params, 128, causal=window == (-1, 0), window=window,
+                                max_q=1500,
                          max_k=1700, deterministic=True)
     _check(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k)  # right, first
     launch = dict(params=params, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
@@ -239,7 +233,7 @@ def test_no_query_head_sized_buffers(cuda_backend, attn_params):
     """GQA 32/8: the backward allocates only its fp32 workspaces (dQ accumulator, lse2, delta,
     all q-sized or smaller): no (.., Hq, D) dK/dV and no reduction buffer."""
     q, k, v = _qkv(2, 2048, 2048, 32, 8, 128, seed=1)
-    params = _params(attn_params, 128, causal=True, max_q=2048, max_k=2048)
+    params = backend_params(attn_params, 128, causal=True, max_q=2048, max_k=2048)
     out, lse = run_forward(cuda_backend, q, k, v, params=params)
     dout = torch.randn_like(out)
     grads = dict(dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v))
@@ -266,11 +260,11 @@ def test_small_all_features_once(cuda_backend, attn_params):
     torch.manual_seed(19)
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv([0, 33, 130], [5, 33, 200], 4, 2, 80,
                                                         device="cuda")
-    params = _params(attn_params, 80, window=(20, 3), softcap=8.0, max_q=max_q, max_k=max_k)
+    params = backend_params(attn_params, 80, window=(20, 3), softcap=8.0, max_q=max_q, max_k=max_k)
     _check(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k,
            s_aux=torch.randn(4, device="cuda"))
     q, k, v = _qkv(2, 70, 150, 4, 1, 64, seed=23)
-    _check(cuda_backend, q, k, v, _params(attn_params, 64, causal=True, max_q=70, max_k=150))
+    _check(cuda_backend, q, k, v, backend_params(attn_params, 64, causal=True, max_q=70, max_k=150))
 
 
 @pytest.mark.gpu
@@ -281,8 +275,8 @@ def test_small_banded_grids_prefer_triton(cuda_backend, attn_params):
     q = torch.empty(4, 4096, 32, 128, device="cuda", dtype=torch.bfloat16)
     k_mqa = torch.empty(4, 4096, 1, 128, device="cuda", dtype=torch.bfloat16)
     k_gqa = torch.empty(4, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
-    causal = _params(attn_params, 128, causal=True, max_q=4096, max_k=4096)
-    full = _params(attn_params, 128, max_q=4096, max_k=4096)
+    causal = backend_params(attn_params, 128, causal=True, max_q=4096, max_k=4096)
+    full = backend_params(attn_params, 128, max_q=4096, max_k=4096)
     assert cuda_backend.backward_prefers_triton(q, k_mqa, causal)
     assert cuda_backend.backward_prefers_triton(q, k_mqa, full) is None
     assert cuda_backend.backward_prefers_triton(q, k_gqa, causal) is None
@@ -293,8 +287,8 @@ def test_banded_small_head_dims_prefer_triton(cuda_backend, attn_params):
     so only the head-dim rule can speak)."""
     q64 = torch.empty(4, 4096, 32, 64)
     q128 = torch.empty(4, 4096, 32, 128)
-    causal = _params(attn_params, 64, causal=True, max_q=4096, max_k=4096)
-    full = _params(attn_params, 64, max_q=4096, max_k=4096)
+    causal = backend_params(attn_params, 64, causal=True, max_q=4096, max_k=4096)
+    full = backend_params(attn_params, 64, max_q=4096, max_k=4096)
     assert cuda_backend.backward_prefers_triton(q64, q64, causal)
     assert cuda_backend.backward_prefers_triton(q64, q64, full) is None
     assert cuda_backend.backward_prefers_triton(q128, q128, causal) is None
@@ -304,7 +298,7 @@ def test_supports_excludes_what_it_cannot_run(cuda_backend, attn_params):
     """CPU tensors, dropout, ALiBi and uncompiled backward head dims go to Triton;
     deterministic mode stays. No GPU needed for the first check."""
     q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
-    base = _params(attn_params, 128, max_q=8, max_k=8)
+    base = backend_params(attn_params, 128, max_q=8, max_k=8)
     features = dict(varlen=False, alibi=False, sink=False)
     assert not cuda_backend.supports(q, q, base, backward=True, **features)  # CPU tensors
     if not sm90():

@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 
-from helpers import needs_sm90, sm90
+from helpers import backend_params, needs_sm90, sm90
 from reference import assert_close_to_reference, attention_reference
 
 
@@ -32,15 +32,6 @@ def triton_fwd(flash_attn):
         return importlib.import_module(flash_attn.__name__ + "._triton_fwd")
     except ModuleNotFoundError:
         pytest.skip("this build has no Triton forward")
-
-
-def _params(attn_params, d, *, causal=False, window=(-1, -1), softcap=0.0, max_q, max_k, scale=None):
-    left, right = window
-    if causal:
-        right = 0
-    return attn_params(softmax_scale=d ** -0.5 if scale is None else scale, causal=causal,
-                       window_left=left, window_right=right, softcap=softcap, dropout_p=0.0,
-                       seed=0, deterministic=False, max_seqlen_q=max_q, max_seqlen_k=max_k)
 
 
 def _run(backend, q, k, v, params, *, cu_q=None, cu_k=None, s_aux=None):
@@ -85,7 +76,8 @@ def _qkv(b, sq, sk, hq, hkv, d, dtype, seed=0):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_head_dims(cuda_backend, attn_params, dtype, d, causal):
     q, k, v = _qkv(2, 257, 257, 4, 4, d, dtype, seed=d)
-    _check(cuda_backend, q, k, v, _params(attn_params, d, causal=causal, max_q=257, max_k=257))
+    _check(cuda_backend, q, k, v, backend_params(attn_params, d, causal=causal, max_q=257,
+                                                 max_k=257))
 
 
 @pytest.mark.gpu
@@ -93,7 +85,7 @@ def test_head_dims(cuda_backend, attn_params, dtype, d, causal):
 @pytest.mark.parametrize("d", [8, 40, 72, 80, 112, 136, 160, 200, 248])
 def test_head_dims_between_buckets(cuda_backend, attn_params, d):
     q, k, v = _qkv(1, 113, 239, 2, 2, d, torch.bfloat16, seed=d)
-    _check(cuda_backend, q, k, v, _params(attn_params, d, max_q=113, max_k=239))
+    _check(cuda_backend, q, k, v, backend_params(attn_params, d, max_q=113, max_k=239))
 
 
 @pytest.mark.gpu
@@ -103,7 +95,8 @@ def test_head_dims_between_buckets(cuda_backend, attn_params, d):
                          ids=["full", "causal", "band", "diag", "left"])
 def test_lengths_and_windows(cuda_backend, attn_params, sq, sk, window):
     q, k, v = _qkv(2, sq, sk, 3, 3, 128, torch.bfloat16, seed=sq * 7 + sk)
-    params = _params(attn_params, 128, causal=window == (-1, 0), window=window, max_q=sq, max_k=sk)
+    params = backend_params(attn_params, 128, causal=window == (-1, 0), window=window, max_q=sq,
+                            max_k=sk)
     _check(cuda_backend, q, k, v, params)
 
 
@@ -115,7 +108,7 @@ def test_softcap(cuda_backend, attn_params, causal, d):
     q, k, v = _qkv(2, 300, 300, 2, 2, d, torch.bfloat16, seed=3)
     q = q * 4  # large scores, so the cap bites
     _check(cuda_backend, q, k, v,
-           _params(attn_params, d, causal=causal, softcap=5.0, max_q=300, max_k=300))
+           backend_params(attn_params, d, causal=causal, softcap=5.0, max_q=300, max_k=300))
 
 
 @pytest.mark.gpu
@@ -126,7 +119,8 @@ def test_sinks(cuda_backend, attn_params, sq, sk):
     s_aux = torch.randn(4, device="cuda", dtype=torch.float32) * 2
     for causal in (False, True):
         _, lse = _check(cuda_backend, q, k, v,
-                        _params(attn_params, 128, causal=causal, max_q=sq, max_k=sk), s_aux=s_aux)
+                        backend_params(attn_params, 128, causal=causal, max_q=sq, max_k=sk),
+                                       s_aux=s_aux)
         if causal and sq > sk:
             torch.testing.assert_close(lse[:, :, 0], s_aux.expand(2, 4), rtol=0, atol=1e-5)
 
@@ -137,7 +131,8 @@ def test_sinks(cuda_backend, attn_params, sq, sk):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gqa(cuda_backend, attn_params, hq, hkv, causal):
     q, k, v = _qkv(2, 200, 333, hq, hkv, 128, torch.float16, seed=hq + hkv)
-    _check(cuda_backend, q, k, v, _params(attn_params, 128, causal=causal, max_q=200, max_k=333))
+    _check(cuda_backend, q, k, v, backend_params(attn_params, 128, causal=causal, max_q=200,
+                                                 max_k=333))
 
 
 @pytest.mark.gpu
@@ -154,7 +149,8 @@ def test_varlen_with_empty_sequences(cuda_backend, attn_params, window, d):
     k = torch.randn(sum(seq_k), 2, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(sum(seq_k), 2, d, device="cuda", dtype=torch.bfloat16)
     s_aux = torch.randn(4, device="cuda") if window == (33, 7) else None
-    params = _params(attn_params, d, causal=window == (-1, 0), window=window, max_q=max(seq_q),
+    params = backend_params(attn_params, d, causal=window == (-1, 0), window=window,
+                            max_q=max(seq_q),
                      max_k=max(seq_k))
     _check(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k, s_aux=s_aux)
 
@@ -170,7 +166,8 @@ def test_strided_layouts(cuda_backend, attn_params):
     packed = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16)
     k, v = packed[:, :, 1], packed[:, :, 2]
     for causal in (False, True):
-        _check(cuda_backend, q, k, v, _params(attn_params, d, causal=causal, max_q=s, max_k=s))
+        _check(cuda_backend, q, k, v, backend_params(attn_params, d, causal=causal, max_q=s,
+                                                     max_k=s))
 
 
 @pytest.mark.gpu
@@ -178,7 +175,7 @@ def test_strided_layouts(cuda_backend, attn_params):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_against_triton(cuda_backend, triton_fwd, attn_params, causal):
     q, k, v = _qkv(2, 1000, 1000, 4, 2, 128, torch.bfloat16, seed=17)
-    params = _params(attn_params, 128, causal=causal, max_q=1000, max_k=1000)
+    params = backend_params(attn_params, 128, causal=causal, max_q=1000, max_k=1000)
     out, lse = _run(cuda_backend, q, k, v, params)
     t_out, t_lse = torch.full_like(out, math.nan), torch.full_like(lse, math.nan)
     triton_fwd.forward(q, k, v, t_out, t_lse, cu_seqlens_q=None, cu_seqlens_k=None, s_aux=None,
@@ -199,14 +196,15 @@ def test_small_all_features_once(cuda_backend, attn_params):
     q = torch.randn(163, 4, 80, device="cuda", dtype=torch.float16)
     k = torch.randn(163, 2, 80, device="cuda", dtype=torch.float16)
     v = torch.randn(163, 2, 80, device="cuda", dtype=torch.float16)
-    params = _params(attn_params, 80, window=(20, 3), softcap=8.0, max_q=max(seq), max_k=max(seq))
+    params = backend_params(attn_params, 80, window=(20, 3), softcap=8.0, max_q=max(seq),
+                            max_k=max(seq))
     _check(cuda_backend, q, k, v, params, cu_q=cu, cu_k=cu, s_aux=torch.randn(4, device="cuda"))
 
 
 @pytest.mark.kernels_ci
 def test_supports_declines_without_sm90_or_features(cuda_backend, attn_params):
     q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
-    params = _params(attn_params, 64, max_q=8, max_k=8)
+    params = backend_params(attn_params, 64, max_q=8, max_k=8)
     flags = dict(varlen=False, alibi=False, sink=False)
     assert not cuda_backend.supports(q, q, params, backward=False, **flags)  # CPU tensors
     if not sm90():

@@ -20,32 +20,20 @@ FwdStatus launch_bwd(const FlashBwdParams& p, cudaStream_t stream, char* why, in
                   p.dq_acc_cols, f.head_dim, Traits::kHeadDim);
     return FwdStatus::kUnsupportedShape;
   }
-  const bool varlen = f.cu_seqlens_q != nullptr;
-  const uint64_t batch_extent = varlen ? 1 : uint64_t(f.batch);
-  const uint64_t d = uint64_t(f.head_dim);
   BwdArgs args;
   args.p = p;
-  const TensorView4d q{f.q, {d, uint64_t(f.rows_q), uint64_t(f.heads_q), batch_extent},
-                       {f.q_row_stride, f.q_head_stride, f.q_batch_stride}};
-  const TensorView4d dout{p.dout, {d, uint64_t(f.rows_q), uint64_t(f.heads_q), batch_extent},
-                          {p.dout_row_stride, p.dout_head_stride, p.dout_batch_stride}};
-  const TensorView4d k{f.k, {d, uint64_t(f.rows_k), uint64_t(f.heads_kv), batch_extent},
-                       {f.k_row_stride, f.k_head_stride, f.k_batch_stride}};
-  const TensorView4d v{f.v, {d, uint64_t(f.rows_k), uint64_t(f.heads_kv), batch_extent},
-                       {f.v_row_stride, f.v_head_stride, f.v_batch_stride}};
+  const TensorView4d q = row_view(f, true, f.q, f.q_row_stride, f.q_head_stride, f.q_batch_stride);
+  const TensorView4d dout = row_view(f, true, p.dout, p.dout_row_stride, p.dout_head_stride,
+                                     p.dout_batch_stride);
+  const TensorView4d k = row_view(f, false, f.k, f.k_row_stride, f.k_head_stride, f.k_batch_stride);
+  const TensorView4d v = row_view(f, false, f.v, f.v_row_stride, f.v_head_stride, f.v_batch_stride);
   if (!make_tensor_map<Traits>(&args.tma_q, q, Traits::kBlockM, "q", why, why_len) ||
       !make_tensor_map<Traits>(&args.tma_do, dout, Traits::kBlockM, "dout", why, why_len) ||
       !make_tensor_map<Traits>(&args.tma_k, k, Traits::kBlockN, "k", why, why_len) ||
       !make_tensor_map<Traits>(&args.tma_v, v, Traits::kBlockN, "v", why, why_len)) {
     return FwdStatus::kMisaligned;
   }
-  if (Traits::kSoftcap) {
-    args.scale_log2 = f.softcap * kLog2e;
-    args.scale_over_cap = f.scale / f.softcap;
-  } else {
-    args.scale_log2 = f.scale * kLog2e;
-    args.scale_over_cap = 0.f;
-  }
+  score_scales<Traits::kSoftcap>(f, args.scale_log2, args.scale_over_cap);
   args.grad_scale = f.scale;
 
   const dim3 rows_grid((f.seqlen_q + kWorkspaceRows - 1) / kWorkspaceRows, f.heads_q, f.batch);

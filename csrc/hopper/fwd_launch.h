@@ -87,31 +87,38 @@ bool make_tensor_map(CUtensorMap* map, const TensorView4d& t, int box_rows, cons
   return true;
 }
 
+// The 4-D view of a tensor on q's side (q, out, dout: Sq/Tq rows, Hq heads) or on k's side
+// (k, v: Sk/Tk rows, Hkv heads) of p, with that tensor's own strides.
+inline TensorView4d row_view(const FlashParams& p, bool query_side, const void* base,
+                             int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
+  const uint64_t batch_extent = p.cu_seqlens_q != nullptr ? 1 : uint64_t(p.batch);
+  const uint64_t rows = uint64_t(query_side ? p.rows_q : p.rows_k);
+  const uint64_t heads = uint64_t(query_side ? p.heads_q : p.heads_kv);
+  return {base, {uint64_t(p.head_dim), rows, heads, batch_extent},
+          {row_stride, head_stride, batch_stride}};
+}
+
+// The score scales of the kernels' arguments: scale * log2(e), or with softcap c * log2(e) and
+// scale / c (see softmax.h).
+template <bool kSoftcap>
+void score_scales(const FlashParams& p, float& scale_log2, float& scale_over_cap) {
+  scale_log2 = (kSoftcap ? p.softcap : p.scale) * kLog2e;
+  scale_over_cap = kSoftcap ? p.scale / p.softcap : 0.f;
+}
+
 template <class Traits>
 FwdStatus launch_fwd(const FlashParams& p, cudaStream_t stream, char* why, int why_len) {
-  const bool varlen = p.cu_seqlens_q != nullptr;
-  const uint64_t batch_extent = varlen ? 1 : uint64_t(p.batch);
-  const uint64_t d = uint64_t(p.head_dim);
   FwdArgs args;
   args.p = p;
-  const TensorView4d q{p.q, {d, uint64_t(p.rows_q), uint64_t(p.heads_q), batch_extent},
-                       {p.q_row_stride, p.q_head_stride, p.q_batch_stride}};
-  const TensorView4d k{p.k, {d, uint64_t(p.rows_k), uint64_t(p.heads_kv), batch_extent},
-                       {p.k_row_stride, p.k_head_stride, p.k_batch_stride}};
-  const TensorView4d v{p.v, {d, uint64_t(p.rows_k), uint64_t(p.heads_kv), batch_extent},
-                       {p.v_row_stride, p.v_head_stride, p.v_batch_stride}};
+  const TensorView4d q = row_view(p, true, p.q, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+  const TensorView4d k = row_view(p, false, p.k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
+  const TensorView4d v = row_view(p, false, p.v, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
   if (!make_tensor_map<Traits>(&args.tma_q, q, Traits::kBlockM, "q", why, why_len) ||
       !make_tensor_map<Traits>(&args.tma_k, k, Traits::kBlockN, "k", why, why_len) ||
       !make_tensor_map<Traits>(&args.tma_v, v, Traits::kBlockN, "v", why, why_len)) {
     return FwdStatus::kMisaligned;
   }
-  if (Traits::kSoftcap) {
-    args.scale_log2 = p.softcap * kLog2e;
-    args.scale_over_cap = p.scale / p.softcap;
-  } else {
-    args.scale_log2 = p.scale * kLog2e;
-    args.scale_over_cap = 0.f;
-  }
+  score_scales<Traits::kSoftcap>(p, args.scale_log2, args.scale_over_cap);
 
   auto kernel = fwd_kernel<Traits>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
