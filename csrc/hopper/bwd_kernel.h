@@ -5,8 +5,10 @@
 //                and are written once, so GQA's sum over the query heads of a kv head happens
 //                inside the CTA (no Hq-sized buffer, no reduction op)
 //   step         one (query head of the group, query block of kBlockM rows) the CTA visits
-//   producer     warpgroup 0: one elected thread issues the copy-engine loads of K and V (once)
-//                and of Q, dO, lse2, delta (per step, kStages deep)
+//   producer     warpgroup 0, warp 0: one elected thread issues the copy-engine loads of K and V
+//                (once) and of Q, dO, lse2, delta (per step, kStages deep)
+//   dQ warp      warpgroup 0, warp 1: sends each step's fp32 dQ tile to dq_acc (one bulk
+//                reduce-add), in key-block order in deterministic mode
 //   consumers    warpgroups 1 and 2, each owning 64 of the CTA's keys
 //   padded row   the workspace row of a query (see [Note] Backward workspaces in flash_params.h)
 //
@@ -17,7 +19,7 @@
 //   dS^T = P^T * (dP^T - delta)          (softcap: times 1 - t^2)
 //   dK += dS^T Q       RS GEMM
 //   dS^T -> the CTA's shared dS tile; dQ (this consumer's half of the columns) = dS K over all
-//   kBlockN keys; the fp32 dQ tile -> shared memory -> one bulk reduce-add into dq_acc
+//   kBlockN keys; the fp32 dQ tile -> shared memory, handed to the dQ warp
 // The softmax scale (and the softcap chain rule's scale) is applied once: to dK in the epilogue
 // and to dQ in the cast kernel.
 //
@@ -29,14 +31,16 @@
 // [Note] dQ through shared memory
 // Per step both consumers store their 64 rows of dS^T into the one dS tile and meet at
 // kDsBarrier (256 threads); each then computes half of the dQ tile's columns over all kBlockN
-// keys, stores it into the fp32 dQ tile and meets the other at kDqBarrier; one thread (the first
-// consumer thread) issues a bulk reduce-add of the whole tile into dq_acc. That thread waits
-// until the reduce has read the tile (bulk_wait_read) before it arrives at the next step's
-// kDsBarrier, so the tile is free whenever a consumer writes it; the dS tile is rewritten only
-// after both consumers passed kDqBarrier, i.e. after both dQ GEMMs retired. The fp32 tile is
-// stored in fragment order (chunk g of consumer w's columns: 128 float4 of its 128 threads), so
-// the stores are conflict-free and one contiguous bulk copy carries the tile; dq_acc keeps that
-// order and the cast kernel undoes it.
+// keys, stores it into the fp32 dQ tile and arrives (without waiting) at kDqFullBarrier. The dQ
+// warp waits there (256 + 32 threads), one lane issues the bulk reduce-add of the whole tile into
+// dq_acc and waits until it has read the tile (bulk_wait_read), and the warp arrives at
+// kDqEmptyBarrier. Consumers wait at kDqEmptyBarrier before they write the next step's dS^T:
+// past it, both dQ GEMMs of the step retired (both consumers arrived at kDqFullBarrier after
+// them), so the dS tile is free, and the reduce has read the dQ tile, so it is free too. The
+// consumers never wait for the copy engine, and a deterministic mode's turn is waited for by
+// the dQ warp alone. The fp32 tile is stored in fragment order (chunk g of consumer w's columns:
+// 128 float4 of its 128 threads), so the stores are conflict-free and one contiguous bulk copy
+// carries the tile; dq_acc keeps that order and the cast kernel undoes it.
 //
 // [Note] Deterministic dQ
 // With a semaphore array (one int per workspace block, zeroed), the CTAs that add into one dQ
@@ -65,14 +69,14 @@ struct BwdArgs {
 
 constexpr int kBwdProducerRegisters = 24;
 constexpr int kBwdConsumerRegisters = 240;  // 128 x 24 + 256 x 240 = 64512 <= 65536
-constexpr int kDsBarrier = 1;               // named barrier ids (id 0 is __syncthreads)
-constexpr int kDqBarrier = 2;
+// Hardware barrier ids (id 0 is __syncthreads) and their thread counts: [Note] dQ through
+// shared memory.
+constexpr int kDsBarrier = 1;               // both consumers
+constexpr int kDqFullBarrier = 2;           // both consumers and the dQ warp
+constexpr int kDqEmptyBarrier = 3;
+constexpr int kDsThreads = 256;
+constexpr int kDqThreads = 256 + 32;
 constexpr int kWorkspaceRows = 64;          // [Note] Backward workspaces
-
-// Both consumer warpgroups (256 threads).
-__device__ __forceinline__ void consumers_barrier_sync(int id) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(256) : "memory");
-}
 
 // One bulk reduce-add of `bytes` from shared to global memory (fp32 add, by the copy engine).
 __device__ __forceinline__ void bulk_reduce_add(float* gmem, const void* smem, int bytes) {
@@ -254,6 +258,49 @@ __device__ __forceinline__ void store_rows(const Frag& acc, float mul, Element* 
   }
 }
 
+// The dQ warp: per step, waits for both consumers' halves of the fp32 dQ tile, sends the tile
+// to dq_acc with one bulk reduce-add (in deterministic mode after the lower key blocks' reduces
+// into the same block) and frees the tile once it has been read ([Note] dQ through shared
+// memory, [Note] Deterministic dQ).
+template <class Traits>
+__device__ __forceinline__ void bwd_dq_warp(const FlashBwdParams& p, const SeqInfo& seq, int batch,
+                                            int kv_head, int n_block, int m_min, int m_count,
+                                            int steps, const float* dq_tile, int lane) {
+  constexpr int M = Traits::kBlockM;
+  const FlashParams& f = p.fwd;
+  const int group = f.heads_q / f.heads_kv;
+  for (int j = 0; j < steps; ++j) {
+    named_barrier_sync(kDqFullBarrier, kDqThreads);
+    if (lane == 0) {
+      const int head = kv_head * group + j / m_count;
+      const int q_lo = (m_min + j % m_count) * M;
+      const int64_t ws_row = workspace_row(p, batch, head) + q_lo;
+      int* turn = p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + ws_row / M;
+      int rank = 0;
+      if (turn != nullptr) {
+        int n_first, n_end;
+        key_blocks_of_query_block<Traits>(f, q_lo, min(q_lo + M, seq.seqlen_q) - 1, seq.seqlen_q,
+                                          seq.seqlen_k, n_first, n_end);
+        rank = n_block - n_first;
+        while (load_acquire(turn) != rank) {
+        }
+        // the previous CTA's reduce, seen through the acquire, before ours in the async proxy
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+      }
+      bulk_reduce_add(p.dq_acc + ws_row * Traits::kHeadDim, dq_tile, Traits::kTileBytesDq);
+      if (turn != nullptr) {
+        bulk_wait_all();
+        store_release(turn, rank + 1);
+      } else {
+        bulk_wait_read();
+      }
+    }
+    __syncwarp();
+    if (j + 1 < steps) named_barrier_arrive(kDqEmptyBarrier, kDqThreads);
+  }
+  if (lane == 0) bulk_wait_all();  // the CTA's shared memory outlives the last reduce
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_constant__ BwdArgs args) {
 #if defined(FLASH_HOPPER_DEVICE_PASS)
@@ -307,6 +354,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kBwdProducerRegisters>();
+    if (warp == 1 && steps > 0) {
+      bwd_dq_warp<Traits>(p, seq, batch, kv_head, n_block, m_min, m_count, steps,
+                          reinterpret_cast<const float*>(smem + Traits::kOffsetDq), lane);
+    }
     if (warp != 0 || !elect_one_sync() || steps == 0) return;
     prefetch_tma_descriptor(&args.tma_q);
     prefetch_tma_descriptor(&args.tma_do);
@@ -491,12 +542,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       // in before either reads the tile ([Note] dQ through shared memory)
       Tensor sDsT = make_tensor(make_smem_ptr(smem_ds), typename Traits::SmemLayoutDsT{});
       Tensor tSsDs = thr_sdp.partition_C(local_tile(sDsT, Shape<_64, Int<M>>{}, make_coord(wg, 0)));
+      if (j > 0) named_barrier_sync(kDqEmptyBarrier, kDqThreads);  // last step's dS and dQ tiles are free
       CUTE_UNROLL
       for (int i = 0; i < size(tSrDp); ++i) tSsDs(i) = Element(tSrDp(i));
       cutlass::arch::fence_view_async_shared();
-      if (threadIdx.x == 128) bulk_wait_read();  // the last reduce has read the dQ tile
-      __syncwarp();
-      consumers_barrier_sync(kDsBarrier);
+      named_barrier_sync(kDsBarrier, kDsThreads);
 
       // dQ tile, this consumer's half of the columns, over all kBlockN keys
       warpgroup_fence_operand(tQrDq);
@@ -522,31 +572,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
                         tQrDq(make_coord(0, 1, g), 0, 0), tQrDq(make_coord(1, 1, g), 0, 0));
       }
       cutlass::arch::fence_view_async_shared();
-      consumers_barrier_sync(kDqBarrier);
-      if (threadIdx.x == 128) {
-        const int64_t ws_row = workspace_row(p, batch, head) + q_lo;
-        int* turn = p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + ws_row / M;
-        int rank = 0;
-        if (turn != nullptr) {  // [Note] Deterministic dQ
-          int n_first, n_end;
-          key_blocks_of_query_block<Traits>(f, q_lo, min(q_lo + M, seq.seqlen_q) - 1,
-                                            seq.seqlen_q, seq.seqlen_k, n_first, n_end);
-          rank = n_block - n_first;
-          while (load_acquire(turn) != rank) {
-          }
-          // the previous CTA's reduce, seen through the acquire, before ours in the async proxy
-          asm volatile("fence.proxy.async.global;" ::: "memory");
-        }
-        bulk_reduce_add(p.dq_acc + ws_row * D, dq_tile, Traits::kTileBytesDq);
-        if (turn != nullptr) {
-          bulk_wait_all();
-          store_release(turn, rank + 1);
-        }
-      }
-      __syncwarp();  // thread 128's warp meets again before the next step's barriers and wgmma
+      named_barrier_arrive(kDqFullBarrier, kDqThreads);  // the dQ warp sends the tile
       st.advance();
     }
-    if (threadIdx.x == 128) bulk_wait_all();
   }
 
   // epilogue: this warpgroup's 64 keys of dK (scaled) and dV

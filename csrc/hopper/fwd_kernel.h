@@ -70,12 +70,13 @@ constexpr int kConsumerRegisters = 232;
 constexpr int kPingpongBarrier = 1;
 constexpr int kPingpongThreads = 256;
 
-__device__ __forceinline__ void named_barrier_sync(int id) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(kPingpongThreads) : "memory");
+// `threads` (a multiple of 32) take part in hardware barrier `id`; arrive does not wait.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads = kPingpongThreads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-__device__ __forceinline__ void named_barrier_arrive(int id) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(kPingpongThreads) : "memory");
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads = kPingpongThreads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 struct SeqInfo {
