@@ -26,8 +26,7 @@
 // [Note] Backward barrier protocol
 // bar_kv: count 1, the producer's one transaction for K and V. full[s]: count 1, one
 // transaction for Q, dO, lse2 and delta of a step. empty[s]: all consumer threads arrive once
-// the GEMMs that read Q and dO of the slot have retired, early in the next step ([Note] Backward
-// step overlap); lse2 and delta are read before that.
+// the GEMMs that read Q and dO of the slot have retired (lse2 and delta are read before that).
 //
 // [Note] dQ through shared memory
 // Per step both consumers store their 64 rows of dS^T into the one dS tile and meet at
@@ -42,12 +41,6 @@
 // the dQ warp alone. The fp32 tile is stored in fragment order (chunk g of consumer w's columns:
 // 128 float4 of its 128 threads), so the stores are conflict-free and one contiguous bulk copy
 // carries the tile; dq_acc keeps that order and the cast kernel undoes it.
-//
-// [Note] Backward step overlap
-// A step's GEMMs are queued S^T, dP^T | dV | dQ, dK: dK goes last so the tensor cores have it to
-// run while the consumer stores the dQ tile and issues the next step's S^T and dP^T, whose
-// first wait (S^T in) also retires it. Only then is the step's Q/dO slot released (empty[] of
-// the last step, arrived at one step late) and its dS^T registers rewritten.
 //
 // [Note] Deterministic dQ
 // With a semaphore array (one int per workspace block, zeroed), the CTAs that add into one dQ
@@ -450,7 +443,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   if (steps > 0) {
     Barrier::wait(bar_kv, 0);
     PipelineState<Traits> st;
-    int last_stage = 0;  // the slot of the last step, released once its dK GEMM retired
     for (int j = 0; j < steps; ++j) {
       const int head = kv_head * group + j / m_count;
       const int m = m_min + j % m_count;
@@ -482,11 +474,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       const float* lse_s = smem_lse + st.stage * M + col_lane;
       const float* delta_s = smem_delta + st.stage * M + col_lane;
 
-      warpgroup_wait<1>();  // S^T is in, and so is the last step's dK: its Q and dO are free
+      warpgroup_wait<1>();  // S^T is in
       warpgroup_fence_operand(tSrS);
-      warpgroup_fence_operand(tDkrDk);
-      warpgroup_fence_operand(tDsa_words);
-      if (j > 0) Barrier::arrive(&empty[last_stage]);
       score_mod.apply(tSrS);
       if constexpr (Traits::kSoftcap) {
         CUTE_UNROLL
@@ -539,6 +528,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       }
       to_a_operand(tSrDp, tDsa);
 
+      // dK += dS^T Q
+      warpgroup_fence_operand(tDkrDk);
+      warpgroup_fence_operand(tDsa_words);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tDsa); ++kb) {
+        cute::gemm(mma_dkv, tDsa(_, _, kb), tKVrQ(_, _, kb, st.stage), tDkrDk);
+      }
+      warpgroup_commit_batch();
+
       // dS^T into this consumer's 64 rows of the shared dS tile; both consumers' rows must be
       // in before either reads the tile ([Note] dQ through shared memory)
       Tensor sDsT = make_tensor(make_smem_ptr(smem_ds), typename Traits::SmemLayoutDsT{});
@@ -559,21 +558,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
         mma_dq.accumulate_ = gmma::ScaleOut::One;
       }
       warpgroup_commit_batch();
-
-      // dK += dS^T Q, queued behind dQ: it runs while the dQ tile is stored and the next step's
-      // S^T and dP^T are issued, and is waited for there ([Note] Backward step overlap)
-      warpgroup_fence_operand(tDkrDk);
-      warpgroup_fence_operand(tDsa_words);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tDsa); ++kb) {
-        cute::gemm(mma_dkv, tDsa(_, _, kb), tKVrQ(_, _, kb, st.stage), tDkrDk);
-      }
-      warpgroup_commit_batch();
-      warpgroup_wait<1>();  // dV and dQ retired; dK may still run
+      warpgroup_wait<0>();  // also retires dV and dK: Q and dO of the slot are free
       warpgroup_fence_operand(tQrDq);
       warpgroup_fence_operand(tDvrDv);
+      warpgroup_fence_operand(tDkrDk);
       warpgroup_fence_operand(tPa_words);
+      warpgroup_fence_operand(tDsa_words);
+      Barrier::arrive(&empty[st.stage]);
       CUTE_UNROLL
       for (int g = 0; g < Traits::kDqCols / 8; ++g) {
         dq_tile[(wg * (Traits::kDqCols / 8) + g) * 128 + tid] =
@@ -582,11 +573,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       }
       cutlass::arch::fence_view_async_shared();
       named_barrier_arrive(kDqFullBarrier, kDqThreads);  // the dQ warp sends the tile
-      last_stage = st.stage;
       st.advance();
     }
-    warpgroup_wait<0>();  // the last dK
-    warpgroup_fence_operand(tDkrDk);
   }
 
   // epilogue: this warpgroup's 64 keys of dK (scaled) and dV
