@@ -48,8 +48,13 @@ def load(*names: str) -> list[types.ModuleType]:
     return [importlib.import_module(f"flash_attn_tune.{name}") for name in names]
 
 
-def parse_args(doc: str, head_dims: list[int]) -> argparse.Namespace:
+def parse_args(doc: str, head_dims: list[int], *, heads: bool = False) -> argparse.Namespace:
+    """The tuning scripts' command line; ``heads`` adds ``--heads HQ/HKV ...`` (the timed head
+    shapes, parsed to ``[(hq, hkv), ...]``; None when not given)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    if heads:
+        parser.add_argument("--heads", type=_parse_heads, nargs="+", default=None,
+                            help="query/kv head counts of the timed shapes, e.g. 16/16 32/8")
     parser.add_argument("--head-dims", type=int, nargs="+", default=None,
                         help=f"default {head_dims}; with --quick 128")
     parser.add_argument("--seqlens", type=int, nargs="+", default=None,
@@ -67,6 +72,13 @@ def parse_args(doc: str, head_dims: list[int]) -> argparse.Namespace:
     args.head_dims = args.head_dims or ([128] if args.quick else head_dims)
     args.seqlens = args.seqlens or ([4096] if args.quick else [1024, 4096, 16384])
     return args
+
+
+def _parse_heads(item: str) -> tuple[int, int]:
+    hq, sep, hkv = item.partition("/")
+    if not sep or not hq.isdigit() or not hkv.isdigit() or int(hq) % max(int(hkv), 1) or not int(hkv):
+        raise argparse.ArgumentTypeError(f"expected HQ/HKV with HQ a multiple of HKV, got {item!r}")
+    return int(hq), int(hkv)
 
 
 def _parse_space(item: str) -> tuple[str, tuple]:

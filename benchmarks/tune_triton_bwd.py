@@ -9,7 +9,8 @@ The dK/dV and dQ kernels are separate launches, so the search runs per kernel: w
 fields of the table fixed it searches the dK/dV fields of ``_triton_bwd.BwdTiles``, then with
 the best dK/dV fixed the dQ fields. Each time is the whole backward (delta, dK/dV, dQ; bf16, 16k
 tokens per batch, out/lse from the Triton forward, backward FLOPs = 2.5 x forward), on a causal
-and a non-causal workload; D=128 uses the GQA 32/8 case of ANCHORS.md. The best config is
+and a non-causal workload of each head shape in HEADS (D=128: MHA 16/16 and GQA 32/8, as
+ANCHORS.md; ``--heads 16/16`` overrides). The best config is
 recorded for this GPU, head-dim bucket and sequence-length bucket in
 ``torch-ext/flash_attn/triton_bwd_configs.json`` (or ``--out``), merged with the entries already
 there. Search, timing and the summary table printed last are ``_tune_common``'s; long-format
@@ -18,6 +19,7 @@ results go to ``$OUT/tune_triton_bwd.jsonl`` when ``OUT`` is set.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 
@@ -26,7 +28,10 @@ import torch
 import _tune_common as tc
 from reference import attention_reference, relative_error
 
-HEADS = {64: (32, 32), 128: (32, 8), 256: (8, 8)}  # head dim -> (query, kv) heads
+# head dim -> the (query, kv) heads of the timed shapes; a config is scored by the geo-mean over
+# all of them. D=128 times MHA and GQA 32/8 (the shapes of ANCHORS.md): one entry per bucket
+# serves both, and the one tuned on GQA alone ran MHA 10-15% slower than GQA.
+HEADS = {64: ((32, 32),), 128: ((16, 16), (32, 8)), 256: ((8, 8),)}
 # Candidate values per kernel, for sm90. The dK/dV kernel holds two BLOCK_N x BLOCK_D fp32
 # accumulators; ptxas reports 255 registers at 8 warps for D=128, so its query step BLOCK_M is
 # the main trade-off (16 spills least, 64 measured fastest); stages 1 frees shared memory and
@@ -98,7 +103,7 @@ def _checker(bwd, fwd, attn_params, heads, head_dim):
 
 
 def main() -> int:
-    args = tc.parse_args(__doc__, sorted(HEADS))
+    args = tc.parse_args(__doc__, sorted(HEADS), heads=True)
     if not tc.require_gpu("tune_triton_bwd.py"):
         return 2
     bwd, fwd, tuning, params_mod = tc.load("_triton_bwd", "_triton_fwd", "_tuning", "_params")
@@ -107,17 +112,21 @@ def main() -> int:
     arch = tuning.arch_of(torch.device("cuda"))
 
     for head_dim in args.head_dims:
-        heads = HEADS.get(head_dim, (16, 16))
+        shapes = args.heads or HEADS.get(head_dim, ((16, 16),))
         block_d = tuning.block_d_for(head_dim)
-        correct = _checker(bwd, fwd, attn_params, heads, head_dim)
+        correct = _checker(bwd, fwd, attn_params, shapes[-1], head_dim)
         for seqlen in args.seqlens:
             batch = max(1, tc.TOKENS // seqlen)
             torch.manual_seed(1)
-            workloads = tc.full_and_causal(
-                lambda causal: Problem(bwd, fwd, attn_params, batch, seqlen, heads, head_dim,
-                                       causal),
-                2.5 * 4 * batch * heads[0] * seqlen * seqlen * head_dim,
-                dict(head_dim=head_dim, heads=list(heads), batch=batch, seqlen=seqlen))
+            workloads = []
+            for heads in shapes:
+                for w in tc.full_and_causal(
+                        lambda causal: Problem(bwd, fwd, attn_params, batch, seqlen, heads,
+                                               head_dim, causal),
+                        2.5 * 4 * batch * heads[0] * seqlen * seqlen * head_dim,
+                        dict(head_dim=head_dim, heads=list(heads), batch=batch, seqlen=seqlen)):
+                    label = w.label if len(shapes) == 1 else f"{heads[0]}/{heads[1]} {w.label}"
+                    workloads.append(dataclasses.replace(w, label=label))
             tag = f"D={head_dim} S={seqlen}"
             score, results = session.scorer(correct, workloads, tag)
 
@@ -129,7 +138,8 @@ def main() -> int:
                 dq = {**tc.hopper_fields("dq_tma"), **DQ.get(block_d, DQ[128])}
                 best = tc.search(best, tc.narrow(dq, args.space), score, args.quick)
             session.record(block_d=block_d, seqlen=seqlen,
-                           shape=f"B={batch} S={seqlen} H={heads[0]}/{heads[1]} D={head_dim}",
+                           shape=f"B={batch} S={seqlen} H={','.join(f'{a}/{b}' for a, b in shapes)} "
+                                 f"D={head_dim}",
                            best=best, default=default, results=results, tag=tag)
     return session.finish(args.out)
 
