@@ -139,7 +139,7 @@ def attn_params(params_cls, head_dim: int, causal: bool, seqlen: int):
 @dataclasses.dataclass
 class Workload:
     """One timed call: ``run(config)`` launches the kernels, ``flops`` counts as ANCHORS.md."""
-    label: str  # "full" | "causal"
+    label: str  # "full" | "causal", after the head shape when a script times several ("32/8 full")
     run: Callable
     flops: float
     shape: dict
@@ -249,10 +249,16 @@ class Session:
               f"{'gain':>5}  config")
         for block_d, seqlen, config, rates, score, base in self.summary:
             gain = score / base if base == base else float("nan")
-            print(f"{block_d:>4} {seqlen:>6}  {rates.get('full', 0):>5.0f} "
-                  f"{rates.get('causal', 0):>6.0f} {score:>5.0f} {base:>7.0f} {gain:>5.2f}x  "
+            print(f"{block_d:>4} {seqlen:>6}  {_geo_mean(rates, 'full'):>5.0f} "
+                  f"{_geo_mean(rates, 'causal'):>6.0f} {score:>5.0f} {base:>7.0f} {gain:>5.2f}x  "
                   f"{config}")
         return 0 if self.entries else 1
+
+
+def _geo_mean(rates: dict[str, float], mask: str) -> float:
+    """Geo-mean of the rates whose label is ``mask`` or ends with it (``"16/16 full"``)."""
+    picked = [r for label, r in rates.items() if label.split()[-1] == mask]
+    return math.exp(sum(math.log(r) for r in picked) / len(picked)) if picked else 0.0
 
 
 def hopper_fields(*names: str) -> dict[str, tuple]:
