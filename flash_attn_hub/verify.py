@@ -132,22 +132,47 @@ def tiny_llama(seed: int = 0):
     return LlamaForCausalLM(config).eval()
 
 
-def _llama_run(model, attn_implementation: str, dtype, inputs: dict, labels, allow_all_kernels: bool):
-    """(logits, concatenated parameter gradients of the loss) of ``model`` copied to ``dtype``."""
-    import copy
-
+def qwen2_gqa(seed: int = 0, layers: int = 2):
+    """A Qwen2 with Qwen2.5-0.5B's attention shape (hidden 896, 14 query heads, 2 kv heads, head
+    dim 64, q/k/v biases, rope theta 1e6, tied embeddings), ``layers`` layers, a 256-token vocab
+    and random weights."""
     import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=256, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
+                         num_attention_heads=14, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_dropout=0.0)
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def _with_attention(model, attn_implementation: str, dtype, allow_all_kernels: bool):
+    """A copy of ``model`` in ``dtype`` whose attention runs through ``attn_implementation``."""
+    import copy
 
     copy_ = copy.deepcopy(model).to(dtype)
     if attn_implementation in ("sdpa", "eager"):
         copy_.set_attn_implementation(attn_implementation)
     else:
         copy_.set_attn_implementation(attn_implementation, allow_all_kernels=allow_all_kernels)
+    return copy_
+
+
+def _flat(parameters, grads):
+    """``grads`` of ``parameters`` concatenated into one vector (zeros where a gradient is None)."""
+    import torch
+
+    return torch.cat([p.new_zeros(p.numel()) if g is None else g.reshape(-1) for p, g in zip(parameters, grads)])
+
+
+def _copy_run(model, attn_implementation: str, dtype, inputs: dict, labels, allow_all_kernels: bool):
+    """(logits, concatenated parameter gradients of the loss) of ``model`` copied to ``dtype``."""
+    import torch
+
+    copy_ = _with_attention(model, attn_implementation, dtype, allow_all_kernels)
     out = copy_(**inputs, labels=labels)
-    grads = torch.autograd.grad(out.loss, [p for p in copy_.parameters()], allow_unused=True)
-    flat = torch.cat([p.new_zeros(p.numel()) if g is None else g.reshape(-1)
-                      for p, g in zip(copy_.parameters(), grads)])
-    return out.logits, flat
+    parameters = list(copy_.parameters())
+    return out.logits, _flat(parameters, torch.autograd.grad(out.loss, parameters, allow_unused=True))
 
 
 def check_transformers(attn_implementation: str, *, allow_all_kernels: bool = False, seed: int = 0,
@@ -180,11 +205,11 @@ def check_transformers(attn_implementation: str, *, allow_all_kernels: bool = Fa
         if name == "packed":
             ref_logits, ref_grads = _packed_reference(model, packed, lengths)
         else:
-            ref_logits, ref_grads = _llama_run(model, "sdpa", torch.float64, inputs, labels_, False)
-        sdpa_logits, sdpa_grads = _llama_run(model, "sdpa", torch.bfloat16, inputs, labels_, False) \
+            ref_logits, ref_grads = _copy_run(model, "sdpa", torch.float64, inputs, labels_, False)
+        sdpa_logits, sdpa_grads = _copy_run(model, "sdpa", torch.bfloat16, inputs, labels_, False) \
             if name != "packed" else _packed_reference(model, packed, lengths, torch.bfloat16)
-        ours_logits, ours_grads = _llama_run(model, attn_implementation, torch.bfloat16, inputs, labels_,
-                                             allow_all_kernels)
+        ours_logits, ours_grads = _copy_run(model, attn_implementation, torch.bfloat16, inputs, labels_,
+                                            allow_all_kernels)
         ref.assert_close_to_reference(f"{name} logits", ours_logits[valid], ref_logits[valid], sdpa_logits[valid])
         ref.assert_close_to_reference(f"{name} loss gradient", ours_grads, ref_grads, sdpa_grads)
         errors[name] = {"logits": ref.relative_error(ours_logits[valid], ref_logits[valid]),
@@ -208,13 +233,10 @@ def _packed_labels(packed, lengths):
 def _packed_reference(model, packed, lengths, dtype=None):
     """Each packed sequence run on its own through SDPA (what packing must equal), logits
     concatenated and the summed per-sequence losses normalised like the packed loss."""
-    import copy
-
     import torch
 
     dtype = dtype or torch.float64
-    copy_ = copy.deepcopy(model).to(dtype)
-    copy_.set_attn_implementation("sdpa")
+    copy_ = _with_attention(model, "sdpa", dtype, False)
     labels = _packed_labels(packed, lengths)
     logits, total, count = [], 0.0, 0
     start = 0
@@ -231,10 +253,103 @@ def _packed_reference(model, packed, lengths, dtype=None):
         count += int((targets != -100).sum())
         start += n
     loss = total / count
-    grads = torch.autograd.grad(loss, list(copy_.parameters()), allow_unused=True)
-    flat = torch.cat([p.new_zeros(p.numel()) if g is None else g.reshape(-1).to(dtype)
-                      for p, g in zip(copy_.parameters(), grads)])
-    return torch.cat(logits, dim=1), flat
+    parameters = list(copy_.parameters())
+    return torch.cat(logits, dim=1), _flat(parameters, torch.autograd.grad(loss, parameters, allow_unused=True))
+
+
+# SGD without momentum (no optimizer state for the weight copy to leave behind); 0.1 moves the
+# weights ~1% a step, above bf16's rounding of them, so the steps train rather than round away.
+TRAINING_LR = 0.1
+
+
+def _training_batch(generator, batch: int, seqlen: int, vocab: int, padded: bool, device):
+    """Random ids and labels; ``padded``: the last row is right-padded by a quarter of
+    ``seqlen`` (attention_mask 0, label -100), which the kernel path turns into varlen."""
+    import torch
+
+    ids = torch.randint(0, vocab, (batch, seqlen), generator=generator)
+    inputs = {"input_ids": ids}
+    labels = ids.clone()
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[-1, seqlen - seqlen // 4:] = 0
+        labels[mask == 0] = -100
+        inputs["attention_mask"] = mask
+    return {k: v.to(device) for k, v in inputs.items()}, labels.to(device)
+
+
+def _token_losses(logits, labels):
+    """Causal LM cross-entropy of each labelled token, in float64: the terms whose mean is the
+    loss. (The mean alone is a poor witness: bf16 rounding errors cancel in it by chance, so
+    SDPA's own error on it can be near zero.)"""
+    import torch
+
+    targets = labels[:, 1:].reshape(-1)
+    losses = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).double(), targets,
+                                               ignore_index=-100, reduction="none")
+    return losses[targets != -100]
+
+
+def _train_step(model, optimizer, inputs: dict, labels):
+    """One optimizer step of the causal LM loss; returns (per-token losses, {parameter name:
+    gradient}) at the weights before the step."""
+    optimizer.zero_grad(set_to_none=True)
+    out = model(**inputs, labels=labels)
+    out.loss.backward()
+    grads = {name: p.grad.detach().clone() if p.grad is not None else p.new_zeros(p.shape)
+             for name, p in model.named_parameters()}
+    optimizer.step()
+    return _token_losses(out.logits.detach(), labels), grads
+
+
+ATTENTION_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
+
+
+def check_transformers_training(attn_implementation: str, *, steps: int = 3, seqlen: int = 256, batch: int = 2,
+                                device=None, allow_all_kernels: bool = False, seed: int = 0) -> list[dict]:
+    """``steps`` SGD steps of a Qwen2.5-0.5B-shaped GQA model (:func:`qwen2_gqa`) with attention
+    through ``attn_implementation`` in bf16, against float64 SDPA, the tolerance rule applied to
+    bf16 SDPA, on ``device`` (default: this machine's, see :func:`device_and_dtype`).
+
+    The three copies see the same batch at each step; even steps (the first included) carry a
+    right-padded row with an attention_mask, so the varlen path trains too. At every step ours'
+    per-token losses, its flattened parameter gradient and the gradient of each attention
+    projection weight (where the kernel's dq, dk and dv land first; the flat vector is mostly
+    embedding and MLP) are checked against float64's; an ``AssertionError`` names the step.
+    bf16 and float64 updates differ by bf16's rounding of the weights, so after each step the
+    float64 copy's updated weights are cast into both bf16 copies: every step compares
+    gradients at the same weights. Returns one dict of errors per step."""
+    import torch
+
+    ref = reference()
+    device = device if device is not None else device_and_dtype()[0]
+    model = qwen2_gqa(seed).to(device)
+    copies = {"ref": _with_attention(model, "sdpa", torch.float64, False),
+              "sdpa": _with_attention(model, "sdpa", torch.bfloat16, False),
+              "ours": _with_attention(model, attn_implementation, torch.bfloat16, allow_all_kernels)}
+    optimizers = {name: torch.optim.SGD(m.train().parameters(), lr=TRAINING_LR) for name, m in copies.items()}
+    generator = torch.Generator().manual_seed(seed + 1)
+    errors = []
+    for step in range(steps):
+        padded = step % 2 == 0
+        inputs, labels = _training_batch(generator, batch, seqlen, model.config.vocab_size, padded, device)
+        results = {name: _train_step(m, optimizers[name], inputs, labels) for name, m in copies.items()}
+        (loss, grads), (ref_loss, ref_grads), (sdpa_loss, sdpa_grads) = (results[k] for k in ("ours", "ref", "sdpa"))
+        compared = {"loss": (loss, ref_loss, sdpa_loss),
+                    "grad": tuple(torch.cat([g.reshape(-1) for g in named.values()])
+                                  for named in (grads, ref_grads, sdpa_grads))}
+        compared.update({name: (grads[name], ref_grads[name], sdpa_grads[name])
+                         for name in grads if name.endswith(ATTENTION_WEIGHTS)})
+        step_errors = {"padded": padded, "ref_loss": ref_loss.mean().item()}
+        for name, (ours_, ref_, sdpa_) in compared.items():
+            ref.assert_close_to_reference(f"step {step} {name}", ours_, ref_, sdpa_)
+            step_errors[name] = (ref.relative_error(ours_, ref_), ref.relative_error(sdpa_, ref_))
+        errors.append(step_errors)
+        with torch.no_grad():
+            for name in ("sdpa", "ours"):
+                for dst, src in zip(copies[name].parameters(), copies["ref"].parameters()):
+                    dst.copy_(src)
+    return errors
 
 
 def verify_in_process(repo_id: str, version: int, *, trust_remote_code: bool = False,
