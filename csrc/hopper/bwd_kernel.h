@@ -444,7 +444,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     Barrier::wait(bar_kv, 0);
     PipelineState<Traits> st;
     for (int j = 0; j < steps; ++j) {
-      const int head = kv_head * group + j / m_count;
       const int m = m_min + j % m_count;
       const int q_lo = m * M;
       Barrier::wait(&full[st.stage], st.phase);
@@ -540,11 +539,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
 
       // dS^T into this consumer's 64 rows of the shared dS tile; both consumers' rows must be
       // in before either reads the tile ([Note] dQ through shared memory)
+      // (tDsa holds dS^T in the accumulator's register order: see to_a_operand)
       Tensor sDsT = make_tensor(make_smem_ptr(smem_ds), typename Traits::SmemLayoutDsT{});
-      Tensor tSsDs = thr_sdp.partition_C(local_tile(sDsT, Shape<_64, Int<M>>{}, make_coord(wg, 0)));
+      typename Traits::SmemCopyDs copy_ds;
+      auto thr_copy_ds = copy_ds.get_thread_slice(tid);
+      Tensor tDsc = make_tensor(tDsa.data(), tSrDp.layout());
+      Tensor tSsDs = thr_copy_ds.partition_D(local_tile(sDsT, Shape<_64, Int<M>>{}, make_coord(wg, 0)));
       if (j > 0) named_barrier_sync(kDqEmptyBarrier, kDqThreads);  // last step's dS and dQ tiles are free
-      CUTE_UNROLL
-      for (int i = 0; i < size(tSrDp); ++i) tSsDs(i) = Element(tSrDp(i));
+      cute::copy(copy_ds, thr_copy_ds.retile_S(tDsc), tSsDs);
       cutlass::arch::fence_view_async_shared();
       named_barrier_sync(kDsBarrier, kDsThreads);
 

@@ -89,6 +89,11 @@ struct BwdTraits {
                            cute::Shape<cute::Int<kBlockM>, cute::Int<kDqCols>, cute::Int<kBlockN>>,
                            gmma::Major::MN, gmma::Major::MN>()));
 
+  // dS^T from the S^T/dP^T accumulator layout into the shared dS tile: one stmatrix per four
+  // 8 x 8 blocks (a block's 8 query columns are 16 contiguous bytes of a key's row).
+  using SmemCopyDs = decltype(cute::make_tiled_copy_C(
+      cute::Copy_Atom<cute::SM90_U32x4_STSM_N, Element>{}, MmaSdP{}));
+
   static constexpr int kTileBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kTileBytesK = kBlockN * kHeadDim * int(sizeof(Element));
   static constexpr int kTileBytesDs = kBlockM * kBlockN * int(sizeof(Element));
