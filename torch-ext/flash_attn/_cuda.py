@@ -37,11 +37,10 @@ BWD_VALIDATED = True
 # give few CTAs, and a causal band makes their work uneven, so the GPU idles while the longest
 # finish (H200, MQA 32/1 causal 4k/16k: 211-235 TFLOP/s against the Triton backward's 356-397,
 # whose launch splits the query-head group). Below SMALL_GRID_WAVES CTAs per SM under a band,
-# the CUDA backward declines and the dispatcher runs Triton. At head dims up to 64 a band also
-# goes to Triton: there the CUDA backward's per-step overhead weighs more (H200, D=64 causal
-# 4k/16k: CUDA 245/311 TFLOP/s, Triton 278/326; without a mask CUDA leads, 297/328 vs 289/305).
+# the CUDA backward declines and the dispatcher runs Triton. (Head dims up to 64 under a band
+# went to Triton too until the dS^T stores moved to stmatrix: the H200 now measures D=64 causal
+# 4k/16k at CUDA 283/365 TFLOP/s against Triton's 278/326.)
 SMALL_GRID_WAVES = 4
-TRITON_BANDED_MAX_HEAD_DIM = 64
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = max(_COMPILED_HEAD_DIMS)
@@ -76,9 +75,6 @@ def backward_prefers_triton(q: torch.Tensor, k: torch.Tensor, params: AttnParams
     ([Note: small banded grids]); ``FLASH_ATTN_HUB_BACKEND=cuda`` still runs it here."""
     if params.window_left < 0 and params.window_right < 0:
         return None
-    if q.shape[-1] <= TRITON_BANDED_MAX_HEAD_DIM:
-        return (f"a banded backward at head dim {q.shape[-1]} is faster on the Triton backward "
-                f"(measured at 64 on the H200)")
     batch = 1 if q.dim() == 3 else q.shape[0]  # varlen: the packed length stands for it
     rows = params.max_seqlen_k if q.dim() == 4 else k.shape[0]
     ctas = -(-rows // 128) * k.shape[-2] * batch
