@@ -462,7 +462,8 @@ class BwdTiles:
 
 _T = BwdTiles
 # sm90 D=128 is the configuration timed on an H200 (2026-12-02, bf16, 16k tokens): about 350
-# TFLOP/s backward, 1.15-1.2x SDPA flash. Query steps of 16 rows, which ptxas prefers (fewer
+# TFLOP/s backward, 1.15-1.2x SDPA flash. The H200's tuning-file entry supersedes it there (tuned
+# on MHA and GQA together, 2026-12-03: 1.24-1.31x SDPA flash). Query steps of 16 rows, which ptxas prefers (fewer
 # spilled registers), measured 3x slower (102-124 TFLOP/s): the dK/dV dots then have K=16 and
 # the loop runs 4x more iterations, which costs far more than the few spilled registers of
 # 64-row steps. Other entries follow the same shapes, scaled by the register budget (a dK/dV
