@@ -147,6 +147,14 @@ def make_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, *, dtype=to
                 requires_grad=requires_grad)
 
 
+def seeded_cuda_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype=torch.bfloat16,
+                    seed=0, **kw):
+    """:func:`make_qkv` on the GPU after ``torch.manual_seed(seed)`` (the sm90 kernel tests)."""
+    torch.manual_seed(seed)
+    return make_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype=dtype,
+                    device="cuda", **kw)
+
+
 def cu_seqlens(lengths, device="cpu") -> torch.Tensor:
     """int32 cumulative lengths ``(len(lengths) + 1,)`` starting at 0."""
     return torch.tensor([0, *accumulate(lengths)], dtype=torch.int32, device=device)

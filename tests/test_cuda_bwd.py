@@ -20,8 +20,8 @@ import importlib
 import pytest
 import torch
 
-from helpers import (backend_params, make_qkv, make_varlen_qkv, needs_sm90, reference_results,
-                     run_backward, run_forward, sm90)
+from helpers import (backend_params, make_varlen_qkv, needs_sm90, reference_results, run_backward,
+                     run_forward, seeded_cuda_qkv, sm90)
 from reference import assert_close_to_reference, attention_reference
 
 
@@ -81,18 +81,13 @@ def _assert_within_rounding_noise(name, ours, q, k, v, out, dout, ref64, kwargs,
                          f"rounding of O explains {noise.norm().item():.3e}"
 
 
-def _qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, seed=0, **kw):
-    torch.manual_seed(seed)
-    return make_qkv(b, sq, sk, hq, hkv, d, dtype=dtype, device="cuda", **kw)
-
-
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_head_dims(cuda_backend, attn_params, dtype, d, causal):
-    q, k, v = _qkv(2, 257, 257, 4, 4, d, dtype, seed=d)
+    q, k, v = seeded_cuda_qkv(2, 257, 257, 4, 4, d, dtype, seed=d)
     _check(cuda_backend, q, k, v, backend_params(attn_params, d, causal=causal, max_q=257,
                                                  max_k=257))
 
@@ -101,7 +96,7 @@ def test_head_dims(cuda_backend, attn_params, dtype, d, causal):
 @needs_sm90
 @pytest.mark.parametrize("d", [8, 40, 72, 80, 112, 120])
 def test_head_dims_between_buckets(cuda_backend, attn_params, d):
-    q, k, v = _qkv(1, 113, 239, 2, 2, d, seed=d)
+    q, k, v = seeded_cuda_qkv(1, 113, 239, 2, 2, d, seed=d)
     _check(cuda_backend, q, k, v, backend_params(attn_params, d, max_q=113, max_k=239))
 
 
@@ -112,7 +107,7 @@ def test_head_dims_between_buckets(cuda_backend, attn_params, d):
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (17, 5), (0, 0), (64, -1)],
                          ids=["full", "causal", "band", "diag", "left"])
 def test_lengths_and_windows(cuda_backend, attn_params, sq, sk, window):
-    q, k, v = _qkv(2, sq, sk, 3, 3, 128, seed=sq * 7 + sk)
+    q, k, v = seeded_cuda_qkv(2, sq, sk, 3, 3, 128, seed=sq * 7 + sk)
     params = backend_params(attn_params, 128, causal=window == (-1, 0), window=window, max_q=sq,
                             max_k=sk)
     _check(cuda_backend, q, k, v, params)
@@ -123,7 +118,7 @@ def test_lengths_and_windows(cuda_backend, attn_params, sq, sk, window):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_softcap(cuda_backend, attn_params, causal, d):
-    q, k, v = _qkv(2, 300, 300, 2, 2, d, seed=3)
+    q, k, v = seeded_cuda_qkv(2, 300, 300, 2, 2, d, seed=3)
     q = q * 4  # large scores, so the cap bites
     _check(cuda_backend, q, k, v,
            backend_params(attn_params, d, causal=causal, softcap=5.0, max_q=300, max_k=300))
@@ -134,7 +129,7 @@ def test_softcap(cuda_backend, attn_params, causal, d):
 @pytest.mark.parametrize("sq,sk", [(200, 200), (300, 100)])  # (300, 100) causal: masked rows
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_sinks(cuda_backend, attn_params, sq, sk, causal):
-    q, k, v = _qkv(2, sq, sk, 4, 2, 128, seed=5)
+    q, k, v = seeded_cuda_qkv(2, sq, sk, 4, 2, 128, seed=5)
     s_aux = torch.randn(4, device="cuda", dtype=torch.float32) * 2
     grads = _check(cuda_backend, q, k, v,
                    backend_params(attn_params, 128, causal=causal, max_q=sq, max_k=sk), s_aux=s_aux)
@@ -147,7 +142,7 @@ def test_sinks(cuda_backend, attn_params, sq, sk, causal):
                          ids=["mha", "gqa2", "gqa4", "gqa8", "mqa", "gqa_odd_heads"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gqa(cuda_backend, attn_params, hq, hkv, causal):
-    q, k, v = _qkv(2, 200, 333, hq, hkv, 128, torch.float16, seed=hq + hkv)
+    q, k, v = seeded_cuda_qkv(2, 200, 333, hq, hkv, 128, torch.float16, seed=hq + hkv)
     _check(cuda_backend, q, k, v, backend_params(attn_params, 128, causal=causal, max_q=200,
                                                  max_k=333))
 
@@ -172,7 +167,7 @@ def test_varlen_with_empty_sequences(cuda_backend, attn_params, window, d):
 @needs_sm90
 @pytest.mark.parametrize("kv_layout", ["transposed", "sliced", "packed", "packed_transposed"])
 def test_strided_layouts(cuda_backend, attn_params, kv_layout):
-    q, k, v = _qkv(2, 190, 190, 4, 2, 128, seed=13, transposed=True, kv_layout=kv_layout)
+    q, k, v = seeded_cuda_qkv(2, 190, 190, 4, 2, 128, seed=13, transposed=True, kv_layout=kv_layout)
     for causal in (False, True):
         _check(cuda_backend, q, k, v, backend_params(attn_params, 128, causal=causal, max_q=190,
                                               max_k=190), label=f"{kv_layout} causal={causal}")
@@ -188,7 +183,7 @@ def test_against_triton(cuda_backend, flash_attn, attn_params, causal):
         triton_bwd = importlib.import_module(flash_attn.__name__ + "._triton_bwd")
     except ModuleNotFoundError:
         pytest.skip("this build has no Triton backward")
-    q, k, v = _qkv(2, 1000, 1000, 8, 2, 128, seed=17)
+    q, k, v = seeded_cuda_qkv(2, 1000, 1000, 8, 2, 128, seed=17)
     params = backend_params(attn_params, 128, causal=causal, max_q=1000, max_k=1000)
     out, lse = run_forward(cuda_backend, q, k, v, params=params)
     dout = torch.randn_like(out)
@@ -214,7 +209,7 @@ def test_deterministic_is_bitwise_reproducible(cuda_backend, attn_params, case):
                          deterministic=True)
     else:
         hkv, window = (2, (-1, 0)) if case == "gqa_causal" else (1, (300, 100))
-        q, k, v = _qkv(2, 1500, 1700, 8, hkv, 128, seed=31)
+        q, k, v = seeded_cuda_qkv(2, 1500, 1700, 8, hkv, 128, seed=31)
         params = backend_params(attn_params, 128, causal=window == (-1, 0), window=window,
                                 max_q=1500,
                          max_k=1700, deterministic=True)
@@ -232,7 +227,7 @@ def test_deterministic_is_bitwise_reproducible(cuda_backend, attn_params, case):
 def test_no_query_head_sized_buffers(cuda_backend, attn_params):
     """GQA 32/8: the backward allocates only its fp32 workspaces (dQ accumulator, lse2, delta,
     all q-sized or smaller): no (.., Hq, D) dK/dV and no reduction buffer."""
-    q, k, v = _qkv(2, 2048, 2048, 32, 8, 128, seed=1)
+    q, k, v = seeded_cuda_qkv(2, 2048, 2048, 32, 8, 128, seed=1)
     params = backend_params(attn_params, 128, causal=True, max_q=2048, max_k=2048)
     out, lse = run_forward(cuda_backend, q, k, v, params=params)
     dout = torch.randn_like(out)
@@ -263,7 +258,7 @@ def test_small_all_features_once(cuda_backend, attn_params):
     params = backend_params(attn_params, 80, window=(20, 3), softcap=8.0, max_q=max_q, max_k=max_k)
     _check(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k,
            s_aux=torch.randn(4, device="cuda"))
-    q, k, v = _qkv(2, 70, 150, 4, 1, 64, seed=23)
+    q, k, v = seeded_cuda_qkv(2, 70, 150, 4, 1, 64, seed=23)
     _check(cuda_backend, q, k, v, backend_params(attn_params, 64, causal=True, max_q=70, max_k=150))
 
 

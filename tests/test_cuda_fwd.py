@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 
-from helpers import backend_params, needs_sm90, sm90
+from helpers import backend_params, needs_sm90, seeded_cuda_qkv, sm90
 from reference import assert_close_to_reference, attention_reference
 
 
@@ -61,21 +61,13 @@ def _check(backend, q, k, v, params, *, cu_q=None, cu_k=None, s_aux=None):
     return out, lse
 
 
-def _qkv(b, sq, sk, hq, hkv, d, dtype, seed=0):
-    torch.manual_seed(seed)
-    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype)
-    k = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype)
-    v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype)
-    return q, k, v
-
-
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_head_dims(cuda_backend, attn_params, dtype, d, causal):
-    q, k, v = _qkv(2, 257, 257, 4, 4, d, dtype, seed=d)
+    q, k, v = seeded_cuda_qkv(2, 257, 257, 4, 4, d, dtype, seed=d)
     _check(cuda_backend, q, k, v, backend_params(attn_params, d, causal=causal, max_q=257,
                                                  max_k=257))
 
@@ -84,7 +76,7 @@ def test_head_dims(cuda_backend, attn_params, dtype, d, causal):
 @needs_sm90
 @pytest.mark.parametrize("d", [8, 40, 72, 80, 112, 136, 160, 200, 248])
 def test_head_dims_between_buckets(cuda_backend, attn_params, d):
-    q, k, v = _qkv(1, 113, 239, 2, 2, d, torch.bfloat16, seed=d)
+    q, k, v = seeded_cuda_qkv(1, 113, 239, 2, 2, d, torch.bfloat16, seed=d)
     _check(cuda_backend, q, k, v, backend_params(attn_params, d, max_q=113, max_k=239))
 
 
@@ -94,7 +86,7 @@ def test_head_dims_between_buckets(cuda_backend, attn_params, d):
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (17, 5), (0, 0), (64, -1)],
                          ids=["full", "causal", "band", "diag", "left"])
 def test_lengths_and_windows(cuda_backend, attn_params, sq, sk, window):
-    q, k, v = _qkv(2, sq, sk, 3, 3, 128, torch.bfloat16, seed=sq * 7 + sk)
+    q, k, v = seeded_cuda_qkv(2, sq, sk, 3, 3, 128, torch.bfloat16, seed=sq * 7 + sk)
     params = backend_params(attn_params, 128, causal=window == (-1, 0), window=window, max_q=sq,
                             max_k=sk)
     _check(cuda_backend, q, k, v, params)
@@ -105,7 +97,7 @@ def test_lengths_and_windows(cuda_backend, attn_params, sq, sk, window):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_softcap(cuda_backend, attn_params, causal, d):
-    q, k, v = _qkv(2, 300, 300, 2, 2, d, torch.bfloat16, seed=3)
+    q, k, v = seeded_cuda_qkv(2, 300, 300, 2, 2, d, torch.bfloat16, seed=3)
     q = q * 4  # large scores, so the cap bites
     _check(cuda_backend, q, k, v,
            backend_params(attn_params, d, causal=causal, softcap=5.0, max_q=300, max_k=300))
@@ -115,7 +107,7 @@ def test_softcap(cuda_backend, attn_params, causal, d):
 @needs_sm90
 @pytest.mark.parametrize("sq,sk", [(200, 200), (300, 100)])  # (300, 100) causal: masked rows
 def test_sinks(cuda_backend, attn_params, sq, sk):
-    q, k, v = _qkv(2, sq, sk, 4, 2, 128, torch.bfloat16, seed=5)
+    q, k, v = seeded_cuda_qkv(2, sq, sk, 4, 2, 128, torch.bfloat16, seed=5)
     s_aux = torch.randn(4, device="cuda", dtype=torch.float32) * 2
     for causal in (False, True):
         _, lse = _check(cuda_backend, q, k, v,
@@ -130,7 +122,7 @@ def test_sinks(cuda_backend, attn_params, sq, sk):
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (8, 1), (6, 3)], ids=["gqa", "mqa", "gqa3"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gqa(cuda_backend, attn_params, hq, hkv, causal):
-    q, k, v = _qkv(2, 200, 333, hq, hkv, 128, torch.float16, seed=hq + hkv)
+    q, k, v = seeded_cuda_qkv(2, 200, 333, hq, hkv, 128, torch.float16, seed=hq + hkv)
     _check(cuda_backend, q, k, v, backend_params(attn_params, 128, causal=causal, max_q=200,
                                                  max_k=333))
 
@@ -174,7 +166,7 @@ def test_strided_layouts(cuda_backend, attn_params):
 @needs_sm90
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_against_triton(cuda_backend, triton_fwd, attn_params, causal):
-    q, k, v = _qkv(2, 1000, 1000, 4, 2, 128, torch.bfloat16, seed=17)
+    q, k, v = seeded_cuda_qkv(2, 1000, 1000, 4, 2, 128, torch.bfloat16, seed=17)
     params = backend_params(attn_params, 128, causal=causal, max_q=1000, max_k=1000)
     out, lse = _run(cuda_backend, q, k, v, params)
     t_out, t_lse = torch.full_like(out, math.nan), torch.full_like(lse, math.nan)
