@@ -485,6 +485,12 @@ def main(argv=None) -> int:
         if gap is not None:
             say(f"max |loss({impl}) - loss({ref})| over {args.steps} steps: {gap:.2e}", flush=True)
     say(f"results: {out / 'TRAIN.md'}", flush=True)
+    if ranks.world_size > 1:
+        # Every rank leaves together and tears the group down itself: a rank that exits with the
+        # group alive can abort in a communicator thread at interpreter shutdown ("terminate
+        # called without an active exception"), and the launcher then kills the others.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return 0 if any(r.get("tokens_per_s") for r in results) else 1
 
 
