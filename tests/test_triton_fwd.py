@@ -272,6 +272,92 @@ def test_varlen(fwd, attn_params, device, name):
 
 
 # ---------------------------------------------------------------------------------------------
+# Split-KV decode (`_triton_decode`): few query rows per kv head over many keys. The regular
+# launcher routes these calls there; the tests call it with chosen split counts too.
+# ---------------------------------------------------------------------------------------------
+
+DECODE_CASES = {  # name -> overrides of BASE (Sk >= MIN_KEYS, GROUP * Sq <= MAX_PACKED_ROWS)
+    "decode_gqa_causal": dict(seqlen_q=1, seqlen_k=300, heads_q=8, heads_kv=2, causal=True),
+    "decode_mha": dict(seqlen_q=1, seqlen_k=257, batch=3),
+    "prefill5_gqa_causal": dict(seqlen_q=5, seqlen_k=300, heads_q=8, heads_kv=2, causal=True),
+    "mqa_window": dict(seqlen_q=3, seqlen_k=400, heads_q=4, heads_kv=1, window=(50, 0)),
+    "softcap_alibi_sink_d80": dict(seqlen_q=2, seqlen_k=260, heads_q=6, heads_kv=2,
+                                   head_dim=80, softcap=5.0, alibi="head", sink=True,
+                                   causal=True),
+    "alibi_batch_window_right": dict(seqlen_q=4, seqlen_k=256, alibi="batch",
+                                     window=(-1, 30)),
+    "d40_transposed_gqa": dict(seqlen_q=2, seqlen_k=270, heads_q=8, heads_kv=2, head_dim=40,
+                               layout="transposed", causal=True),
+    "d256_sink": dict(seqlen_q=1, seqlen_k=256, batch=1, heads_q=2, heads_kv=1, head_dim=256,
+                      sink=True),
+}
+
+
+@pytest.fixture(scope="module")
+def decode(package):
+    return submodule(package, "_triton_decode")
+
+
+@pytest.fixture
+def decode_calls(decode, monkeypatch):
+    """Records the split counts of the split-KV launches, so a test knows that path ran."""
+    calls = []
+    launch = decode.forward
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs.get("num_splits"))
+        return launch(*args, **kwargs)
+    monkeypatch.setattr(decode, "forward", recording)
+    return calls
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.kernels_ci]
+                                               if n == "prefill5_gqa_causal" else [])
+                                  for n in DECODE_CASES])
+def test_split_kv_through_the_launcher(fwd, attn_params, device, decode_calls, name):
+    torch.manual_seed(7)
+    run_case(fwd, attn_params, device, torch.float16, DECODE_CASES[name])
+    assert decode_calls == [None], "the launcher should have run the split-KV path"
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 40], ids=lambda n: f"splits{n}")
+def test_split_kv_split_counts(decode, attn_params, device, num_splits):
+    """Any split count gives the same attention: one split, uneven ones, and more splits than
+    key blocks under a band (most see no key and must weigh nothing in the combine)."""
+    torch.manual_seed(8)
+    q, k, v = make_inputs(device, torch.float16, batch=2, seqlen_q=3, seqlen_k=333, heads_q=8,
+                          heads_kv=2, head_dim=32)
+    s_aux = torch.randn(8, device=device)
+    params = make_params(attn_params, head_dim=32, causal=True, window=(40, -1),
+                         max_seqlen_q=3, max_seqlen_k=333)
+    assert decode.applies(q, k, None, params)
+    out, lse = run_forward(decode, q, k, v, params=params, s_aux=s_aux, num_splits=num_splits)
+    check_against_reference(q, k, v, out, lse, params, s_aux=s_aux)
+
+
+@pytest.mark.kernels_ci
+def test_split_kv_applies_only_where_it_helps(decode, attn_params):
+    """Batched calls without dropout, GROUP * Sq <= MAX_PACKED_ROWS, Sk >= MIN_KEYS."""
+    def call(sq, sk, hq, hkv, **kw):
+        q = torch.zeros(2, sq, hq, 64, dtype=torch.float16)
+        k = torch.zeros(2, sk, hkv, 64, dtype=torch.float16)
+        return q, k, make_params(attn_params, head_dim=64, max_seqlen_q=sq, max_seqlen_k=sk,
+                                 **kw)
+    rows, keys = decode.MAX_PACKED_ROWS, decode.MIN_KEYS
+    assert decode.applies(*call(1, keys, 32, 8)[:2], None, call(1, keys, 32, 8)[2])
+    assert decode.applies(*call(rows // 4, keys, 8, 2)[:2], None, call(rows // 4, keys, 8, 2)[2])
+    assert not decode.applies(*call(rows // 4 + 1, keys, 8, 2)[:2], None,
+                              call(rows // 4 + 1, keys, 8, 2)[2])
+    assert not decode.applies(*call(1, keys - 1, 32, 8)[:2], None, call(1, keys - 1, 32, 8)[2])
+    q, k, params = call(1, keys, 32, 8, dropout_p=0.1)
+    assert not decode.applies(q, k, None, params)
+    varlen_q = torch.zeros(3, 32, 64, dtype=torch.float16)
+    varlen_k = torch.zeros(2 * keys, 8, 64, dtype=torch.float16)
+    assert not decode.applies(varlen_q, varlen_k, torch.tensor([0, 1, 3], dtype=torch.int32),
+                              call(1, keys, 32, 8)[2])
+
+
+# ---------------------------------------------------------------------------------------------
 # Exact properties: the dropout keep-mask bit for bit, empty rows, the block ranges.
 # ---------------------------------------------------------------------------------------------
 
@@ -373,7 +459,7 @@ def test_import_does_not_touch_cuda():
 
 
 _COMPILE_SCRIPT = """
-import dataclasses, importlib, os, re, subprocess, sys, tempfile, types, triton
+import dataclasses, importlib, os, re, subprocess, sys, tempfile, types, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 package = types.ModuleType("fa_compile"); package.__path__ = [sys.argv[1]]
@@ -394,19 +480,7 @@ def ptxas_usage(ptx, arch):
     spill = re.search(r"(\\d+) bytes spill stores", log).group(1)
     return f"{regs} regs, {spill} B spill stores"
 
-# (arch, head dim, every feature on, overrides of the table's tiles)
-CASES = [(90, 64, True, {}), (90, 128, True, {}), (90, 256, True, {}),
-         (80, 64, False, {}), (80, 128, True, {}), (80, 256, False, {}),
-         (90, 64, True, dict(tma=True)), (90, 128, True, dict(tma=True)),
-         (90, 128, False, dict(tma=True, warp_specialize=True)),
-         (90, 256, True, dict(tma=True))]
-for arch, head_dim, features, override in CASES:
-    tiles = dataclasses.replace(fwd.TABLE.default(f"sm{arch}", head_dim), **override)
-    const = dict(HEAD_DIM=head_dim, BLOCK_D=tuning.block_d_for(head_dim), BLOCK_M=tiles.block_m,
-                 BLOCK_N=tiles.block_n, GROUP=4, IS_VARLEN=features, HAS_WINDOW_LEFT=features,
-                 HAS_WINDOW_RIGHT=True, SOFTCAP=features, HAS_ALIBI=features,
-                 HAS_SINK=features, DROPOUT=features, TMA=tiles.tma,
-                 WARP_SPECIALIZE=tiles.warp_specialize)
+def signature(kernel, const):
     sig = {}
     for name in kernel.arg_names:
         if name in const:
@@ -421,18 +495,52 @@ for arch, head_dim, features, override in CASES:
             sig[name] = "u32"
         else:
             sig[name] = "i32"
+    return sig
+
+def compile_for(kernel, const, arch, num_warps, num_stages, label):
+    sig = signature(kernel, const)
     # what the launcher's specialisation gives aligned pointers and strides
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
              if sig[name].startswith("*") or name.startswith("stride")}
     compiled = triton.compile(ASTSource(kernel, sig, const, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=tiles.num_warps,
-                                           num_stages=tiles.num_stages))
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
     shared = compiled.metadata.shared
-    assert shared <= SMEM[arch], f"sm{arch} D={head_dim}: {shared} B shared memory"
-    print(f"sm{arch} D={head_dim} features={features} {override or 'table'} "
-          f"{(tiles.block_m, tiles.block_n, tiles.num_warps, tiles.num_stages)}: "
-          f"{shared} B shared memory, {ptxas_usage(compiled.asm['ptx'], arch)}")
+    assert shared <= SMEM[arch], f"sm{arch} {label}: {shared} B shared memory"
+    print(f"sm{arch} {label}: {shared} B shared memory, "
+          f"{ptxas_usage(compiled.asm['ptx'], arch)}")
+
+# (arch, head dim, every feature on, overrides of the table's tiles)
+CASES = [(90, 64, True, {}), (90, 128, True, {}), (90, 256, True, {}),
+         (80, 64, False, {}), (80, 128, True, {}), (80, 256, False, {}),
+         (90, 64, True, dict(tma=True)), (90, 128, True, dict(tma=True)),
+         (90, 128, False, dict(tma=True, warp_specialize=True)),
+         (90, 256, True, dict(tma=True))]
+for arch, head_dim, features, override in CASES:
+    tiles = dataclasses.replace(fwd.TABLE.default(f"sm{arch}", head_dim), **override)
+    const = dict(HEAD_DIM=head_dim, BLOCK_D=tuning.block_d_for(head_dim), BLOCK_M=tiles.block_m,
+                 BLOCK_N=tiles.block_n, GROUP=4, IS_VARLEN=features, HAS_WINDOW_LEFT=features,
+                 HAS_WINDOW_RIGHT=True, SOFTCAP=features, HAS_ALIBI=features,
+                 HAS_SINK=features, DROPOUT=features, TMA=tiles.tma,
+                 WARP_SPECIALIZE=tiles.warp_specialize)
+    compile_for(kernel, const, arch, tiles.num_warps, tiles.num_stages,
+                f"D={head_dim} features={features} {override or 'table'} "
+                f"{(tiles.block_m, tiles.block_n, tiles.num_warps, tiles.num_stages)}")
+
+# the split-KV decode kernels, every feature on: 16 packed rows (GQA 4 decode) and 64 (the most)
+decode = importlib.import_module("fa_compile._triton_decode")
+for arch, head_dim, rows in ((90, 64, 64), (90, 128, 16), (90, 128, 64), (90, 256, 16),
+                             (90, 256, 64), (80, 128, 64), (80, 256, 64)):
+    cfg = decode.tiles_for(head_dim, torch.device("cuda"))  # touches no GPU
+    block_d = tuning.block_d_for(head_dim)
+    compile_for(decode._split_kernel,
+                dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=rows, BLOCK_N=cfg.block_n,
+                     GROUP=4, HAS_WINDOW_LEFT=True, HAS_WINDOW_RIGHT=True, SOFTCAP=True,
+                     HAS_ALIBI=True),
+                arch, cfg.num_warps, cfg.num_stages, f"decode split D={head_dim} rows={rows} {cfg}")
+    compile_for(decode._combine_kernel,
+                dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=decode.MAX_SPLITS,
+                     HAS_SINK=True), arch, 4, 1, f"decode combine D={head_dim}")
 """
 
 

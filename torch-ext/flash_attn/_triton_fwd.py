@@ -255,10 +255,16 @@ def forward(q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slope
 
     Batched: q ``(B, Sq, Hq, D)``, lse ``(B, Hq, Sq)``; varlen (``cu_seqlens_q`` given): q
     ``(Tq, Hq, D)``, lse ``(Hq, Tq)``. Inputs are validated by the caller. ``tiles`` overrides
-    the tile table (tests and the tuning script use it)."""
+    the tile table (tests and the tuning script use it). Few query rows per kv head over many
+    keys run on the split-KV kernels of ``_triton_decode`` instead."""
     shape = LaunchShape.of(q, k, cu_seqlens_q, params)
     assert shape.heads_q % shape.heads_kv == 0 and q.stride(-1) == 1 and out.is_contiguous()
     if shape.batch == 0 or shape.max_seqlen_q == 0 or shape.heads_q == 0:
+        return
+    from . import _triton_decode  # it imports this module's inner loop
+    if tiles is None and _triton_decode.applies(q, k, cu_seqlens_q, params):
+        _triton_decode.forward(q, k, v, out, lse, s_aux=s_aux, alibi_slopes=alibi_slopes,
+                               params=params)
         return
     cfg = tiles or tile_config(shape.head_dim, q.device, shape.longest)
     scalars, flags = shared_arguments(shape, params, alibi_slopes)

@@ -1,0 +1,225 @@
+"""Triton split-KV forward for few query rows per kv head (decode, short GQA prefill).
+
+Glossary (see also ``_triton_fwd`` and ``_triton_common``):
+  packed row     row r of a program's tile is query row ``r % Sq`` of query head
+                 ``kv_head * GROUP + r // Sq``: the GROUP * Sq rows that read one kv head share
+                 one tile, so that head's K/V are read once, not once per query head
+  split          one of NUM_SPLITS contiguous key ranges of ``keys_per_split`` keys (a multiple
+                 of BLOCK_N); one program per (split, kv head, batch)
+  partial        a split's normalised output (fp32, ``(B, Hq, Sq, NUM_SPLITS, D)``) and its
+                 lse in log2 units (``(B, Hq, Sq, NUM_SPLITS)``; -inf when the split saw no key)
+
+The regular forward runs one program per (query block, query head): at Sq = 1 its tile holds
+one real row of BLOCK_M, and B * Hq programs each walk every key alone (at 4k-128k keys most of
+the GPU idles). Here B * Hkv * NUM_SPLITS programs share the keys, each running the forward's
+own inner loop (``_triton_fwd._inner_loop``: the same score hooks and band masks) over its
+range; ``_combine_kernel`` then merges a row's splits in a fixed order, so the result does not
+depend on timing.
+
+[Note: combining splits] Split s holds ``O_s = sum_j p_j v_j / l_s`` and
+``L_s = m_s + log2(l_s)``. With ``top = max(max_s L_s, sink)`` the row's denominator is
+``den = sum_s 2^(L_s - top) (+ 2^(sink - top))`` and ``out = sum_s 2^(L_s - top) O_s / den``,
+``lse = (top + log2(den)) * ln 2``. A split that saw no key has ``L_s = -inf`` and weight 0; a
+row that saw none gets out 0 and lse -inf, or lse = s_aux with a sink ([Note: sinks and empty
+rows] in ``_triton_fwd``). ``top`` is replaced by 0 while it is -inf, so no NaN forms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from ._params import AttnParams
+from ._triton_common import LOG2E, LaunchShape, key_block_range, shared_arguments
+from ._triton_fwd import _inner_loop
+
+# Rows one packed tile holds (GROUP * Sq); beyond it the regular forward's tiles are full anyway.
+MAX_PACKED_ROWS = 64
+# Keys below which one pass over K/V is short enough that splitting buys nothing.
+MIN_KEYS = 256
+MAX_SPLITS = 128
+PROGRAMS_PER_SM = 4  # split so that the grid holds about this many programs per SM (4 warps each)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTiles:
+    """The split kernel's launch shape."""
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, params: AttnParams) -> bool:
+    """Whether the split-KV path runs this (validated) forward: batched, no dropout, few query
+    rows per kv head and enough keys to split."""
+    if cu_seqlens_q is not None or params.dropout_p > 0 or q.dim() != 4:
+        return False
+    group = q.shape[2] // k.shape[2]
+    return 0 < q.shape[1] * group <= MAX_PACKED_ROWS and k.shape[1] >= MIN_KEYS
+
+
+def tiles_for(head_dim: int, device: torch.device) -> DecodeTiles:
+    """Launch shape by head dim: 64 keys per step keep K^T and V tiles (2 x 64 x D bf16) and
+    the fp32 accumulator within registers up to D=128; D=256 takes 32. The interpreter takes
+    16, so tests cross several blocks per split."""
+    if device.type != "cuda":
+        return DecodeTiles(16, 1, 1)
+    return DecodeTiles(64 if head_dim <= 128 else 32, 4, 3)
+
+
+def num_splits_for(shape: LaunchShape, block_n: int, device: torch.device) -> int:
+    """Splits that give the grid about PROGRAMS_PER_SM programs per SM, each at least one key
+    block long."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, shape.batch * shape.heads_kv)
+    return max(1, min(wanted, triton.cdiv(shape.seqlen_k, block_n), MAX_SPLITS))
+
+
+@triton.jit
+def _split_kernel(
+        Q, K, V, O_PART, LSE_PART, ALIBI,
+        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh, stride_ab,
+        seqlen_q, seqlen_k, num_heads_q, keys_per_split, num_splits,
+        qk_scale, softcap_log2, window_left, window_right,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, GROUP: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
+        HAS_WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    split = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    batch = tl.program_id(2)
+    batch64 = batch.to(tl.int64)
+
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    r_ok = offs_r < GROUP * seqlen_q
+    rows = offs_r % seqlen_q                      # query row of each packed row
+    heads = kv_head * GROUP + offs_r // seqlen_q  # its query head (past GROUP on padding rows)
+    heads = tl.where(r_ok, heads, kv_head * GROUP)
+    q_ptrs = (Q + batch64 * stride_qb + rows.to(tl.int64)[:, None] * stride_qs
+              + heads.to(tl.int64)[:, None] * stride_qh + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=r_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    k_src = K + batch64 * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_src = V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh
+    if HAS_ALIBI:
+        slopes = tl.load(ALIBI + batch64 * stride_ab + heads, mask=r_ok, other=0.0)
+        alibi_slope_log2 = (slopes * LOG2E)[:, None]
+    else:
+        alibi_slope_log2 = 0.0
+
+    # The blocks any query row sees, cut to this split's range.
+    lo, full_lo, full_hi, hi = key_block_range(0, seqlen_q - 1, seqlen_q, seqlen_k, window_left,
+                                               window_right, BLOCK_N, HAS_WINDOW_LEFT,
+                                               HAS_WINDOW_RIGHT)
+    split_lo = split * (keys_per_split // BLOCK_N)
+    split_hi = split_lo + keys_per_split // BLOCK_N
+    lo = tl.maximum(lo, split_lo)
+    hi = tl.minimum(hi, split_hi)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc, l_i, m_i = _inner_loop(
+        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, full_lo, full_hi, rows, offs_n,
+        seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2, window_left,
+        window_right, 0, 0, False, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI,
+        HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, False, False, False)
+    acc, l_i, m_i = _inner_loop(
+        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, full_lo, rows, offs_n,
+        seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2, window_left,
+        window_right, 0, 0, True, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI,
+        HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, False, False, False)
+    acc, l_i, m_i = _inner_loop(
+        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, full_hi, hi, rows, offs_n,
+        seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2, window_left,
+        window_right, 0, 0, True, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI,
+        HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, False, False, False)
+
+    has_mass = l_i > 0.0
+    l_safe = tl.where(has_mass, l_i, 1.0)
+    part = acc * (1.0 / l_safe)[:, None]
+    lse2 = tl.where(has_mass, m_i + tl.log2(l_safe), float("-inf"))
+    # partial index of (batch, head, row, split)
+    idx = ((batch64 * num_heads_q + heads) * seqlen_q + rows) * num_splits + split
+    tl.store(O_PART + idx[:, None] * HEAD_DIM + offs_d[None, :], part,
+             mask=r_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    tl.store(LSE_PART + idx, lse2, mask=r_ok)
+
+
+@triton.jit
+def _combine_kernel(
+        O_PART, LSE_PART, O, LSE, S_AUX,
+        stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
+        seqlen_q, num_heads_q, num_splits,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+        HAS_SINK: tl.constexpr):
+    """One program per (batch, query head, row): [Note: combining splits]."""
+    row = tl.program_id(0).to(tl.int64)
+    i = row % seqlen_q
+    bh = row // seqlen_q
+    head = bh % num_heads_q
+    batch = bh // num_heads_q
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    d_ok = offs_d < HEAD_DIM
+    lse2 = tl.load(LSE_PART + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse2, 0)
+    if HAS_SINK:
+        sink = tl.load(S_AUX + head) * LOG2E
+        top = tl.maximum(top, sink)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    den = tl.sum(tl.exp2(lse2 - top), 0)
+    if HAS_SINK:
+        den += tl.exp2(sink - top)
+    # one split's D values at a time, in split order (the same sum on every run)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(num_splits):
+        weight = tl.exp2(tl.load(LSE_PART + row * num_splits + s) - top)
+        part = tl.load(O_PART + (row * num_splits + s) * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+        acc += weight * part
+    has_mass = den > 0.0
+    den_safe = tl.where(has_mass, den, 1.0)
+    out = acc / den_safe
+    lse = tl.where(has_mass, (top + tl.log2(den_safe)) / LOG2E, float("-inf"))
+    tl.store(O + batch * stride_ob + i * stride_os + head * stride_oh + offs_d,
+             out.to(O.dtype.element_ty), mask=d_ok)
+    tl.store(LSE + batch * stride_lb + head * stride_lh + i * stride_ls, lse)
+
+
+def forward(q, k, v, out, lse, *, s_aux, alibi_slopes, params: AttnParams,
+            cu_seqlens_q=None, cu_seqlens_k=None, num_splits: int | None = None) -> None:
+    """The split-KV forward of a call that :func:`applies` to; same contract as
+    ``_triton_fwd.forward`` (batched layouts only). ``num_splits`` overrides the choice (tests)."""
+    assert cu_seqlens_q is None and cu_seqlens_k is None, "applies() excludes varlen"
+    shape = LaunchShape.of(q, k, None, params)
+    cfg = tiles_for(shape.head_dim, q.device)
+    splits = num_splits or num_splits_for(shape, cfg.block_n, q.device)
+    keys_per_split = triton.cdiv(triton.cdiv(shape.seqlen_k, splits), cfg.block_n) * cfg.block_n
+    splits = triton.cdiv(shape.seqlen_k, keys_per_split)  # no split starts past the last key
+    rows = shape.batch * shape.heads_q * shape.seqlen_q
+    o_part = torch.empty(rows * splits, shape.head_dim, device=q.device, dtype=torch.float32)
+    lse_part = torch.empty(rows * splits, device=q.device, dtype=torch.float32)
+    scalars, flags = shared_arguments(shape, params, alibi_slopes)
+    group = flags["GROUP"]
+    _split_kernel[(splits, shape.heads_kv, shape.batch)](
+        q, k, v, o_part, lse_part, alibi_slopes,
+        *shape.seq_strides(q), *shape.seq_strides(k), *shape.seq_strides(v),
+        scalars["stride_ab"], shape.seqlen_q, shape.seqlen_k, shape.heads_q, keys_per_split,
+        splits, scalars["qk_scale"], scalars["softcap_log2"], params.window_left,
+        params.window_right, HEAD_DIM=flags["HEAD_DIM"], BLOCK_D=flags["BLOCK_D"],
+        BLOCK_M=max(16, triton.next_power_of_2(group * shape.seqlen_q)), BLOCK_N=cfg.block_n,
+        GROUP=group, HAS_WINDOW_LEFT=flags["HAS_WINDOW_LEFT"],
+        HAS_WINDOW_RIGHT=flags["HAS_WINDOW_RIGHT"], SOFTCAP=flags["SOFTCAP"],
+        HAS_ALIBI=flags["HAS_ALIBI"], num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _combine_kernel[(rows,)](
+        o_part, lse_part, out, lse, s_aux, *shape.seq_strides(out), *shape.lse_strides(lse),
+        shape.seqlen_q, shape.heads_q, splits, HEAD_DIM=flags["HEAD_DIM"],
+        BLOCK_D=flags["BLOCK_D"], BLOCK_S=max(2, triton.next_power_of_2(splits)),
+        HAS_SINK=s_aux is not None, num_warps=4 if shape.head_dim > 64 else 2)
