@@ -276,7 +276,8 @@ def test_varlen(fwd, attn_params, device, name):
 # launcher routes these calls there; the tests call it with chosen split counts too.
 # ---------------------------------------------------------------------------------------------
 
-DECODE_CASES = {  # name -> overrides of BASE (Sk >= MIN_KEYS, GROUP * Sq <= MAX_PACKED_ROWS)
+DECODE_KEYS = 256  # MIN_KEYS while these tests run: the interpreter is slow on long key ranges
+DECODE_CASES = {  # name -> overrides of BASE (Sk >= DECODE_KEYS, GROUP * Sq <= MAX_PACKED_ROWS)
     "decode_gqa_causal": dict(seqlen_q=1, seqlen_k=300, heads_q=8, heads_kv=2, causal=True),
     "decode_mha": dict(seqlen_q=1, seqlen_k=257, batch=3),
     "prefill5_gqa_causal": dict(seqlen_q=5, seqlen_k=300, heads_q=8, heads_kv=2, causal=True),
@@ -293,9 +294,11 @@ DECODE_CASES = {  # name -> overrides of BASE (Sk >= MIN_KEYS, GROUP * Sq <= MAX
 }
 
 
-@pytest.fixture(scope="module")
-def decode(package):
-    return submodule(package, "_triton_decode")
+@pytest.fixture
+def decode(package, monkeypatch):
+    module = submodule(package, "_triton_decode")
+    monkeypatch.setattr(module, "MIN_KEYS", DECODE_KEYS)
+    return module
 
 
 @pytest.fixture
@@ -336,8 +339,9 @@ def test_split_kv_split_counts(decode, attn_params, device, num_splits):
 
 
 @pytest.mark.kernels_ci
-def test_split_kv_applies_only_where_it_helps(decode, attn_params):
+def test_split_kv_applies_only_where_it_helps(package, attn_params):
     """Batched calls without dropout, GROUP * Sq <= MAX_PACKED_ROWS, Sk >= MIN_KEYS."""
+    decode = submodule(package, "_triton_decode")
     def call(sq, sk, hq, hkv, **kw):
         q = torch.zeros(2, sq, hq, 64, dtype=torch.float16)
         k = torch.zeros(2, sk, hkv, 64, dtype=torch.float16)
