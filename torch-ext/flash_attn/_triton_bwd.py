@@ -84,8 +84,8 @@ import triton.language as tl
 from ._params import AttnParams
 from ._triton_common import (LOG2E, LaunchShape, dropout_keep, dropout_row_hash,
                              key_block_range, load_rows, load_rows_t, mix32, query_block_range,
-                             rows_source, safe_lse_log2, scores_log2, shared_arguments,
-                             store_rows, use_tma, visible)
+                             rows_source, safe_lse_log2, scores_log2, sequence_bounds,
+                             shared_arguments, store_rows, use_tma, visible)
 from ._tuning import HEAD_DIM_BUCKETS, TileTable
 
 
@@ -216,16 +216,8 @@ def _bwd_dkdv_kernel(
         split = tl.program_id(0) % GROUP_SPLITS
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
-    if IS_VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + batch)
-        seqlen_q = tl.load(CU_SEQLENS_Q + batch + 1) - q_start
-        k_start = tl.load(CU_SEQLENS_K + batch)
-        seqlen_k = tl.load(CU_SEQLENS_K + batch + 1) - k_start
-    else:
-        q_start = 0
-        k_start = 0
-        seqlen_q = seqlen_q_batched
-        seqlen_k = seqlen_k_batched
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(
+        CU_SEQLENS_Q, CU_SEQLENS_K, batch, seqlen_q_batched, seqlen_k_batched, IS_VARLEN)
     n_first = pid_n * BLOCK_N
     if n_first >= seqlen_k:
         return
@@ -357,16 +349,8 @@ def _bwd_dq_kernel(
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
-    if IS_VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + batch)
-        seqlen_q = tl.load(CU_SEQLENS_Q + batch + 1) - q_start
-        k_start = tl.load(CU_SEQLENS_K + batch)
-        seqlen_k = tl.load(CU_SEQLENS_K + batch + 1) - k_start
-    else:
-        q_start = 0
-        k_start = 0
-        seqlen_q = seqlen_q_batched
-        seqlen_k = seqlen_k_batched
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(
+        CU_SEQLENS_Q, CU_SEQLENS_K, batch, seqlen_q_batched, seqlen_k_batched, IS_VARLEN)
     m_first = pid_m * BLOCK_M
     if m_first >= seqlen_q:
         return

@@ -13,7 +13,8 @@ scores, so when SOFTCAP is on we undo the fold inside the hook; ALiBi slopes are
 multiplied by log2(e) once per program. The same hooks run in forward and
 backward, so both see bitwise the same scores.
 
-Kernel helpers: ``scores_log2`` (the score hook: scale, softcap, ALiBi) with its host-side
+Kernel helpers: ``sequence_bounds`` (a sequence's start and lengths, batched or varlen);
+``scores_log2`` (the score hook: scale, softcap, ALiBi) with its host-side
 ``score_constants``; ``visible`` (the band mask, either tile orientation); ``key_block_range`` /
 ``query_block_range`` (which key blocks a query block sees, and the mirror, split into unmasked
 interior and masked edges); ``safe_lse_log2`` (LSE for recomputing P);
@@ -132,6 +133,24 @@ def safe_lse_log2(lse):
     """LSE (natural) -> log2 units for ``P = exp2(s2 - lse2)``; -inf (a row that sees no key)
     -> +inf, so that P = 0 there for finite and masked scores alike, never NaN."""
     return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
+def sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, batch, seqlen_q_batched, seqlen_k_batched,
+                    IS_VARLEN: tl.constexpr):
+    """``(q_start, seqlen_q, k_start, seqlen_k)`` of sequence ``batch``: its first token on the
+    packed token axis and its lengths from cu_seqlens (varlen), or 0 and the batched sizes."""
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + batch)
+        seqlen_q = tl.load(CU_SEQLENS_Q + batch + 1) - q_start
+        k_start = tl.load(CU_SEQLENS_K + batch)
+        seqlen_k = tl.load(CU_SEQLENS_K + batch + 1) - k_start
+    else:
+        q_start = 0
+        k_start = 0
+        seqlen_q = seqlen_q_batched
+        seqlen_k = seqlen_k_batched
+    return q_start, seqlen_q, k_start, seqlen_k
 
 
 @triton.jit
