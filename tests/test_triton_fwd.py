@@ -338,6 +338,17 @@ def test_split_kv_split_counts(decode, attn_params, device, num_splits):
     check_against_reference(q, k, v, out, lse, params, s_aux=s_aux)
 
 
+def test_split_kv_is_bitwise_reproducible(decode, attn_params, device):
+    """The combine adds the splits in a fixed order: two runs give the same bits."""
+    torch.manual_seed(9)
+    q, k, v = make_inputs(device, torch.float16, batch=2, seqlen_q=1, seqlen_k=300, heads_q=8,
+                          heads_kv=2, head_dim=64)
+    params = make_params(attn_params, head_dim=64, causal=True, max_seqlen_q=1, max_seqlen_k=300)
+    first = run_forward(decode, q, k, v, params=params, num_splits=5)
+    second = run_forward(decode, q, k, v, params=params, num_splits=5)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
 @pytest.mark.kernels_ci
 def test_split_kv_applies_only_where_it_helps(package, attn_params):
     """Batched calls without dropout, GROUP * Sq <= MAX_PACKED_ROWS, Sk >= MIN_KEYS."""
