@@ -152,6 +152,18 @@ def full_and_causal(problem: Callable, flops: float, shape: dict) -> list[Worklo
                      flops / (2 if causal else 1), shape) for causal in (False, True)]
 
 
+def head_shape_workloads(shapes, problem: Callable, flops: Callable, shape: Callable) -> list[Workload]:
+    """:func:`full_and_causal` for each ``(hq, hkv)`` in ``shapes`` (a config is scored over
+    all of them): ``problem(heads, causal)``, ``flops(heads)`` and ``shape(heads)`` as there.
+    With several shapes each label names its heads, e.g. ``32/8 causal``."""
+    workloads = []
+    for heads in shapes:
+        for w in full_and_causal(lambda causal: problem(heads, causal), flops(heads), shape(heads)):
+            label = w.label if len(shapes) == 1 else f"{heads[0]}/{heads[1]} {w.label}"
+            workloads.append(dataclasses.replace(w, label=label))
+    return workloads
+
+
 def short(config) -> str:
     """A config without its reason, compact: ``block_m=128 block_n=64 ...``."""
     fields = dataclasses.asdict(config)

@@ -19,7 +19,6 @@ results go to ``$OUT/tune_triton_bwd.jsonl`` when ``OUT`` is set.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 
@@ -118,15 +117,13 @@ def main() -> int:
         for seqlen in args.seqlens:
             batch = max(1, tc.TOKENS // seqlen)
             torch.manual_seed(1)
-            workloads = []
-            for heads in shapes:
-                for w in tc.full_and_causal(
-                        lambda causal: Problem(bwd, fwd, attn_params, batch, seqlen, heads,
-                                               head_dim, causal),
-                        2.5 * 4 * batch * heads[0] * seqlen * seqlen * head_dim,
-                        dict(head_dim=head_dim, heads=list(heads), batch=batch, seqlen=seqlen)):
-                    label = w.label if len(shapes) == 1 else f"{heads[0]}/{heads[1]} {w.label}"
-                    workloads.append(dataclasses.replace(w, label=label))
+            workloads = tc.head_shape_workloads(
+                shapes,
+                lambda heads, causal: Problem(bwd, fwd, attn_params, batch, seqlen, heads,
+                                              head_dim, causal),
+                lambda heads: 2.5 * 4 * batch * heads[0] * seqlen * seqlen * head_dim,
+                lambda heads: dict(head_dim=head_dim, heads=list(heads), batch=batch,
+                                   seqlen=seqlen))
             tag = f"D={head_dim} S={seqlen}"
             score, results = session.scorer(correct, workloads, tag)
 

@@ -6,8 +6,8 @@
     python benchmarks/tune_triton_fwd.py --head-dims 128 --seqlens 4096 16384 --out /tmp/t.json
 
 For each (head dim, sequence length) it times candidates of ``_triton_fwd.FwdTiles`` on a causal
-and a non-causal workload (bf16, 16k tokens per batch, the heads of ANCHORS.md's grid) and
-records the best for this GPU (``torch.cuda.get_device_name``), its head-dim bucket and
+and a non-causal workload of each head shape in HEADS (bf16, 16k tokens per batch; D=128: MHA
+16/16 and GQA 32/8, as ANCHORS.md; ``--heads 16/16`` overrides) and records the best for this GPU (``torch.cuda.get_device_name``), its head-dim bucket and
 sequence-length bucket in ``torch-ext/flash_attn/triton_fwd_configs.json`` (or ``--out``),
 merged with the entries already there. Search, timing and the summary table printed last are
 ``_tune_common``'s; long-format results go to ``$OUT/tune_triton_fwd.jsonl`` when ``OUT`` is set.
@@ -22,7 +22,9 @@ import torch
 import _tune_common as tc
 from reference import attention_reference, relative_error
 
-HEADS = {64: 32, 128: 16, 256: 8}  # head dim -> heads (query = kv) of the standard grid
+# head dim -> the (query, kv) heads of the timed shapes; a config is scored by the geo-mean over
+# all of them, so one entry per bucket serves MHA and GQA alike (as in tune_triton_bwd.py).
+HEADS = {64: ((32, 32),), 128: ((16, 16), (32, 8)), 256: ((8, 8),)}
 # Candidate values per FwdTiles field, for sm90 (every value also compiles for sm80). D=128:
 # the 128 x 64 x 8 warps x 3 stages default reached 456-472 TFLOP/s; 128 x 128 spills. On sm90+
 # ``tma`` is searched first (ptxas: 248 -> 200 registers at D=128, which changes the best tiles);
@@ -39,13 +41,14 @@ class Problem:
     """Random bf16 inputs and NaN-poisoned outputs of one batched forward."""
 
     def __init__(self, fwd, attn_params, batch, seqlen, heads, head_dim, causal):
+        hq, hkv = heads
         self.fwd = fwd
         self.params = tc.attn_params(attn_params, head_dim, causal, seqlen)
-        shape = (batch, seqlen, heads, head_dim)
-        self.q, self.k, self.v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-                                  for _ in range(3))
+        self.q = torch.randn(batch, seqlen, hq, head_dim, device="cuda", dtype=torch.bfloat16)
+        self.k, self.v = (torch.randn(batch, seqlen, hkv, head_dim, device="cuda",
+                                      dtype=torch.bfloat16) for _ in range(2))
         self.out = torch.full_like(self.q, float("nan"))
-        self.lse = torch.full((batch, heads, seqlen), float("nan"), device="cuda")
+        self.lse = torch.full((batch, hq, seqlen), float("nan"), device="cuda")
 
     def run(self, tiles):
         self.fwd.forward(self.q, self.k, self.v, self.out, self.lse, cu_seqlens_q=None,
@@ -54,7 +57,7 @@ class Problem:
 
 
 def main() -> int:
-    args = tc.parse_args(__doc__, sorted(HEADS))
+    args = tc.parse_args(__doc__, sorted(HEADS), heads=True)
     if not tc.require_gpu("tune_triton_fwd.py"):
         return 2
     fwd, tuning, params_mod = tc.load("_triton_fwd", "_tuning", "_params")
@@ -63,10 +66,10 @@ def main() -> int:
     arch = tuning.arch_of(torch.device("cuda"))
 
     for head_dim in args.head_dims:
-        heads = HEADS.get(head_dim, 16)
+        shapes = args.heads or HEADS.get(head_dim, ((16, 16),))
         block_d = tuning.block_d_for(head_dim)
         torch.manual_seed(0)
-        check = Problem(fwd, attn_params, 1, CHECK_SEQLEN, heads, head_dim, True)
+        check = Problem(fwd, attn_params, 1, CHECK_SEQLEN, shapes[-1], head_dim, True)
         ref, _ = attention_reference(check.q, check.k, check.v, causal=True)
         low, _ = attention_reference(check.q, check.k, check.v, causal=True,
                                      dtype=torch.bfloat16)
@@ -80,10 +83,13 @@ def main() -> int:
         for seqlen in args.seqlens:
             batch = max(1, tc.TOKENS // seqlen)
             torch.manual_seed(1)
-            workloads = tc.full_and_causal(
-                lambda causal: Problem(fwd, attn_params, batch, seqlen, heads, head_dim, causal),
-                4 * batch * heads * seqlen * seqlen * head_dim,
-                dict(head_dim=head_dim, heads=heads, batch=batch, seqlen=seqlen))
+            workloads = tc.head_shape_workloads(
+                shapes,
+                lambda heads, causal: Problem(fwd, attn_params, batch, seqlen, heads, head_dim,
+                                              causal),
+                lambda heads: 4 * batch * heads[0] * seqlen * seqlen * head_dim,
+                lambda heads: dict(head_dim=head_dim, heads=list(heads), batch=batch,
+                                   seqlen=seqlen))
             tag = f"D={head_dim} S={seqlen}"
             score, results = session.scorer(correct, workloads, tag)
 
@@ -92,7 +98,8 @@ def main() -> int:
                      **SPACE.get(block_d, SPACE[128])}
             best = tc.search(default, tc.narrow(space, args.space), score, args.quick)
             session.record(block_d=block_d, seqlen=seqlen,
-                           shape=f"B={batch} S={seqlen} H={heads} D={head_dim}", best=best,
+                           shape=f"B={batch} S={seqlen} H={','.join(f'{a}/{b}' for a, b in shapes)} "
+                                 f"D={head_dim}", best=best,
                            default=default, results=results, tag=tag)
     return session.finish(args.out)
 

@@ -133,3 +133,22 @@ def test_search_quick_and_exhaustive():
     assert dataclasses.replace(full, reason="") == best_at
     assert len(calls) == 3 * 2 * 2  # base is one of the combinations
     assert tc.search(base, dict(block_m=(64,)), lambda c: None, quick=False) is base
+
+
+def test_head_shape_workloads_label_and_count_each_shape():
+    """Both tuning scripts score a config over every head shape: full and causal of each, the
+    causal FLOPs halved, labels naming the heads only when there are several shapes."""
+    tc = _tune_common()
+    built = []
+
+    def problem(heads, causal):
+        built.append((heads, causal))
+        return type("P", (), {"run": lambda self, config: None})()
+
+    both = tc.head_shape_workloads([(16, 16), (32, 8)], problem, lambda h: 1000.0 * h[0],
+                                   lambda h: dict(heads=list(h)))
+    assert [w.label for w in both] == ["16/16 full", "16/16 causal", "32/8 full", "32/8 causal"]
+    assert [w.flops for w in both] == [16000.0, 8000.0, 32000.0, 16000.0]
+    assert built == [((16, 16), False), ((16, 16), True), ((32, 8), False), ((32, 8), True)]
+    one = tc.head_shape_workloads([(8, 8)], problem, lambda h: 1.0, lambda h: {})
+    assert [w.label for w in one] == ["full", "causal"]
