@@ -3,7 +3,7 @@
 # tests, benchmark against the peers, publish to an embedded Hub and load it
 # back, and train. Phases run in the order given (default: all but train):
 #
-#   bash scripts/gpu_run.sh [setup] [build] [cudafwd] [cudabwd] [sanitize] [test] [tune] [bench] [hub] [train]
+#   bash scripts/gpu_run.sh [setup] [build] [cudafwd] [cudabwd] [sanitize] [test] [tune] [profile] [bench] [hub] [train]
 #
 # train loads ours from the embedded Hub that hub publishes to, so hub goes before it.
 #
@@ -98,6 +98,19 @@ for phase in "${phases[@]}"; do
       # shellcheck disable=SC2086
       run_phase tune-bwd timeout "${TUNE_TIMEOUT:-300}" python3 benchmarks/tune_triton_bwd.py \
         ${TUNE_ARGS:---quick} --out "$OUT/tune/triton_bwd.json"
+      ;;
+    profile)
+      # Nsight Compute counters of the sm90 forward and backward kernels (second launch of each)
+      # on D=128 S=4k, full and causal. PROFILE_ARGS adds profile_kernels.py flags
+      # (e.g. "--heads 32/8"); NCU_SECTIONS replaces the sections read.
+      sections=${NCU_SECTIONS:-SpeedOfLight ComputeWorkloadAnalysis MemoryWorkloadAnalysis WarpStateStats SchedulerStats Occupancy}
+      ncu_args=(--clock-control none -k 'regex:fwd_kernel|bwd_kernel' --launch-skip 2 --launch-count 2)
+      for section in $sections; do ncu_args+=(--section "$section"); done
+      for mask in "" --causal; do
+        # shellcheck disable=SC2086
+        run_phase "profile${mask:+-causal}" timeout "${PROFILE_TIMEOUT:-240}" ncu "${ncu_args[@]}" \
+          python3 scripts/profile_kernels.py --kernel-dir build $mask ${PROFILE_ARGS:-}
+      done
       ;;
     bench)
       # BENCH_ARGS narrows the run, e.g. "--grid standard --seqlens 4k,16k --head-dims 128".

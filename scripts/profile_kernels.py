@@ -1,0 +1,57 @@
+"""GPU ONLY: the workload the `profile` phase of scripts/gpu_run.sh runs under Nsight Compute.
+
+One bf16 forward and one backward per backend named, on one shape (D=128, S=4k, B=4, MHA 16/16
+unless told), each run twice so that `ncu --launch-skip` can pass over the first (cold) launch.
+It times nothing: ncu reads the counters.
+
+    ncu --clock-control none -k regex:"fwd_kernel|bwd_kernel" --launch-skip 1 --launch-count 2 \
+        python3 scripts/profile_kernels.py --kernel-dir build [--causal] [--heads 32/8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel-dir", type=Path, default=ROOT / "build",
+                        help="folder holding build/<variant>/")
+    parser.add_argument("--backend", default="cuda", choices=("cuda", "triton"))
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--heads", default="16/16", help="HQ/HKV")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--causal", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("profile_kernels.py needs a CUDA GPU")
+        return 2
+    os.environ["FLASH_ATTN_HUB_BACKEND"] = args.backend
+    import kernels
+    flash_attn = kernels.get_local_kernel(args.kernel_dir.resolve().parent)
+
+    hq, hkv = (int(x) for x in args.heads.split("/"))
+    b, s, d = args.batch, args.seqlen, args.head_dim
+    torch.manual_seed(0)
+    q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    dout = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        out = flash_attn.flash_attn_func(q, k, v, causal=args.causal)
+        torch.autograd.grad(out, (q, k, v), dout)
+    torch.cuda.synchronize()
+    print(f"ran {args.backend} forward+backward twice: B={b} S={s} H={hq}/{hkv} D={d} "
+          f"causal={args.causal}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
