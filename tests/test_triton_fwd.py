@@ -338,6 +338,28 @@ def test_split_kv_split_counts(decode, attn_params, device, num_splits):
     check_against_reference(q, k, v, out, lse, params, s_aux=s_aux)
 
 
+@pytest.mark.parametrize("num_splits", [None, 3], ids=["launcher", "splits3"])
+def test_split_kv_varlen(fwd, decode, decode_calls, attn_params, device, num_splits):
+    """Varlen decode as transformers' generate calls it for a padded batch: one or two new
+    queries per sequence against caches of different lengths, with an empty query, an empty
+    key range and a single key among them; sinks and a band."""
+    torch.manual_seed(10)
+    lens_q, lens_k = [1, 2, 0, 1, 1, 2], [300, 257, 40, 0, 1, 280]
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv(lens_q, lens_k, 8, 2, 32,
+                                                        dtype=torch.float16, device=device,
+                                                        kv_layout="packed")
+    s_aux = torch.randn(8, device=device)
+    params = make_params(attn_params, head_dim=32, causal=True, window=(100, -1),
+                         max_seqlen_q=max_q, max_seqlen_k=max_k)
+    launch = fwd if num_splits is None else decode
+    extra = {} if num_splits is None else dict(num_splits=num_splits)
+    out, lse = run_forward(launch, q, k, v, params=params, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                           s_aux=s_aux, **extra)
+    assert decode_calls == [num_splits]
+    check_against_reference(q, k, v, out, lse, params, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                            s_aux=s_aux)
+
+
 def test_split_kv_is_bitwise_reproducible(decode, attn_params, device):
     """The combine adds the splits in a fixed order: two runs give the same bits."""
     torch.manual_seed(9)
@@ -366,10 +388,13 @@ def test_split_kv_applies_only_where_it_helps(package, attn_params):
     assert not decode.applies(*call(1, keys - 1, 32, 8)[:2], None, call(1, keys - 1, 32, 8)[2])
     q, k, params = call(1, keys, 32, 8, dropout_p=0.1)
     assert not decode.applies(q, k, None, params)
+    # varlen: the longest sequences decide (max_seqlen_q rows per head, max_seqlen_k keys)
     varlen_q = torch.zeros(3, 32, 64, dtype=torch.float16)
     varlen_k = torch.zeros(2 * keys, 8, 64, dtype=torch.float16)
-    assert not decode.applies(varlen_q, varlen_k, torch.tensor([0, 1, 3], dtype=torch.int32),
-                              call(1, keys, 32, 8)[2])
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32)
+    assert decode.applies(varlen_q, varlen_k, cu, call(2, keys, 32, 8)[2])
+    assert not decode.applies(varlen_q, varlen_k, cu, call(rows // 4 + 1, keys, 32, 8)[2])
+    assert not decode.applies(varlen_q, varlen_k, cu, call(2, keys - 1, 32, 8)[2])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -550,12 +575,12 @@ for arch, head_dim, rows in ((90, 64, 64), (90, 128, 16), (90, 128, 64), (90, 25
     block_d = tuning.block_d_for(head_dim)
     compile_for(decode._split_kernel,
                 dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=rows, BLOCK_N=cfg.block_n,
-                     GROUP=4, HAS_WINDOW_LEFT=True, HAS_WINDOW_RIGHT=True, SOFTCAP=True,
-                     HAS_ALIBI=True),
+                     GROUP=4, IS_VARLEN=True, HAS_WINDOW_LEFT=True, HAS_WINDOW_RIGHT=True,
+                     SOFTCAP=True, HAS_ALIBI=True),
                 arch, cfg.num_warps, cfg.num_stages, f"decode split D={head_dim} rows={rows} {cfg}")
     compile_for(decode._combine_kernel,
                 dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=decode.MAX_SPLITS,
-                     HAS_SINK=True), arch, 4, 1, f"decode combine D={head_dim}")
+                     IS_VARLEN=True, HAS_SINK=True), arch, 4, 1, f"decode combine D={head_dim}")
 """
 
 

@@ -5,13 +5,16 @@ Glossary (see also ``_triton_fwd`` and ``_triton_common``):
                  ``kv_head * GROUP + r // Sq``: the GROUP * Sq rows that read one kv head share
                  one tile, so that head's K/V are read once, not once per query head
   split          one of NUM_SPLITS contiguous key ranges of ``keys_per_split`` keys (a multiple
-                 of BLOCK_N); one program per (split, kv head, batch)
-  partial        a split's normalised output (fp32, ``(B, Hq, Sq, NUM_SPLITS, D)``) and its
-                 lse in log2 units (``(B, Hq, Sq, NUM_SPLITS)``; -inf when the split saw no key)
+                 of BLOCK_N); one program per (split, kv head, sequence)
+  token          a query row's index on the flattened token axis: ``b * Sq + i`` batched,
+                 its packed position (cu_seqlens_q[b] + i) varlen
+  partial        a split's normalised output (fp32, ``(tokens, Hq, NUM_SPLITS, D)``) and its
+                 lse in log2 units (``(tokens, Hq, NUM_SPLITS)``; -inf when the split saw no key)
 
 The regular forward runs one program per (query block, query head): at Sq = 1 its tile holds
 one real row of BLOCK_M, and B * Hq programs each walk every key alone (at 4k-128k keys most of
-the GPU idles). Here B * Hkv * NUM_SPLITS programs share the keys, each running the forward's
+the GPU idles). Here B * Hkv * NUM_SPLITS programs share the keys (batched, or varlen as
+transformers' generate calls it for padded batches), each running the forward's
 own inner loop (``_triton_fwd._inner_loop``: the same score hooks and band masks) over its
 range; ``_combine_kernel`` then merges a row's splits in a fixed order, so the result does not
 depend on timing.
@@ -33,7 +36,8 @@ import triton
 import triton.language as tl
 
 from ._params import AttnParams
-from ._triton_common import LOG2E, LaunchShape, key_block_range, shared_arguments
+from ._triton_common import (LOG2E, LaunchShape, key_block_range, sequence_bounds,
+                             shared_arguments)
 from ._triton_fwd import _inner_loop
 
 # Rows one packed tile holds (GROUP * Sq); beyond it the regular forward's tiles are full anyway.
@@ -54,12 +58,13 @@ class DecodeTiles:
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, params: AttnParams) -> bool:
-    """Whether the split-KV path runs this (validated) forward: batched, no dropout, few query
-    rows per kv head and enough keys to split."""
-    if cu_seqlens_q is not None or params.dropout_p > 0 or q.dim() != 4:
+    """Whether the split-KV path runs this (validated) forward: no dropout, few query rows per
+    kv head (the longest sequence's, varlen) and enough keys to split."""
+    if params.dropout_p > 0:
         return False
-    group = q.shape[2] // k.shape[2]
-    return 0 < q.shape[1] * group <= MAX_PACKED_ROWS and k.shape[1] >= MIN_KEYS
+    shape = LaunchShape.of(q, k, cu_seqlens_q, params)
+    rows = shape.max_seqlen_q * (shape.heads_q // shape.heads_kv)
+    return 0 < rows <= MAX_PACKED_ROWS and shape.max_seqlen_k >= MIN_KEYS
 
 
 def tiles_for(head_dim: int, device: torch.device) -> DecodeTiles:
@@ -73,26 +78,36 @@ def tiles_for(head_dim: int, device: torch.device) -> DecodeTiles:
 
 def num_splits_for(shape: LaunchShape, block_n: int, device: torch.device) -> int:
     """Splits that give the grid about PROGRAMS_PER_SM programs per SM, each at least one key
-    block long."""
+    block of the longest sequence long."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     wanted = triton.cdiv(PROGRAMS_PER_SM * sms, shape.batch * shape.heads_kv)
-    return max(1, min(wanted, triton.cdiv(shape.seqlen_k, block_n), MAX_SPLITS))
+    return max(1, min(wanted, triton.cdiv(shape.max_seqlen_k, block_n), MAX_SPLITS))
 
 
 @triton.jit
 def _split_kernel(
-        Q, K, V, O_PART, LSE_PART, ALIBI,
+        Q, K, V, O_PART, LSE_PART, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI,
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_ab,
-        seqlen_q, seqlen_k, num_heads_q, keys_per_split, num_splits,
+        seqlen_q_batched, seqlen_k_batched, num_heads_q, keys_per_split, num_splits,
         qk_scale, softcap_log2, window_left, window_right,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, GROUP: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
-        HAS_WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+        BLOCK_N: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr,
+        HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+        HAS_ALIBI: tl.constexpr):
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(
+        CU_SEQLENS_Q, CU_SEQLENS_K, batch, seqlen_q_batched, seqlen_k_batched, IS_VARLEN)
+    if seqlen_q == 0:
+        return
     batch64 = batch.to(tl.int64)
+    if IS_VARLEN:
+        token0 = tl.cast(q_start, tl.int64)
+    else:
+        token0 = batch64 * seqlen_q
+    k_row0 = tl.cast(k_start, tl.int64)
 
     offs_r = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -101,11 +116,11 @@ def _split_kernel(
     rows = offs_r % seqlen_q                      # query row of each packed row
     heads = kv_head * GROUP + offs_r // seqlen_q  # its query head (past GROUP on padding rows)
     heads = tl.where(r_ok, heads, kv_head * GROUP)
-    q_ptrs = (Q + batch64 * stride_qb + rows.to(tl.int64)[:, None] * stride_qs
+    q_ptrs = (Q + batch64 * stride_qb + (tl.cast(q_start, tl.int64) + rows)[:, None] * stride_qs
               + heads.to(tl.int64)[:, None] * stride_qh + offs_d[None, :])
     q = tl.load(q_ptrs, mask=r_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-    k_src = K + batch64 * stride_kb + kv_head.to(tl.int64) * stride_kh
-    v_src = V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh
+    k_src = K + batch64 * stride_kb + kv_head.to(tl.int64) * stride_kh + k_row0 * stride_ks
+    v_src = V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh + k_row0 * stride_vs
     if HAS_ALIBI:
         slopes = tl.load(ALIBI + batch64 * stride_ab + heads, mask=r_ok, other=0.0)
         alibi_slope_log2 = (slopes * LOG2E)[:, None]
@@ -146,8 +161,8 @@ def _split_kernel(
     l_safe = tl.where(has_mass, l_i, 1.0)
     part = acc * (1.0 / l_safe)[:, None]
     lse2 = tl.where(has_mass, m_i + tl.log2(l_safe), float("-inf"))
-    # partial index of (batch, head, row, split)
-    idx = ((batch64 * num_heads_q + heads) * seqlen_q + rows) * num_splits + split
+    # partial index of (token, head, split)
+    idx = ((token0 + rows) * num_heads_q + heads) * num_splits + split
     tl.store(O_PART + idx[:, None] * HEAD_DIM + offs_d[None, :], part,
              mask=r_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
     tl.store(LSE_PART + idx, lse2, mask=r_ok)
@@ -157,15 +172,19 @@ def _split_kernel(
 def _combine_kernel(
         O_PART, LSE_PART, O, LSE, S_AUX,
         stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-        seqlen_q, num_heads_q, num_splits,
+        seqlen_q_batched, num_heads_q, num_splits,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-        HAS_SINK: tl.constexpr):
-    """One program per (batch, query head, row): [Note: combining splits]."""
-    row = tl.program_id(0).to(tl.int64)
-    i = row % seqlen_q
-    bh = row // seqlen_q
-    head = bh % num_heads_q
-    batch = bh // num_heads_q
+        IS_VARLEN: tl.constexpr, HAS_SINK: tl.constexpr):
+    """One program per (token, query head): [Note: combining splits]."""
+    row = tl.program_id(0).to(tl.int64)  # token * Hq + head
+    token = row // num_heads_q
+    head = row % num_heads_q
+    if IS_VARLEN:  # out (Tq, Hq, D) and lse (Hq, Tq): the token is the row
+        batch = token * 0
+        i = token
+    else:
+        batch = token // seqlen_q_batched
+        i = token % seqlen_q_batched
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < num_splits
@@ -197,30 +216,33 @@ def _combine_kernel(
 def forward(q, k, v, out, lse, *, s_aux, alibi_slopes, params: AttnParams,
             cu_seqlens_q=None, cu_seqlens_k=None, num_splits: int | None = None) -> None:
     """The split-KV forward of a call that :func:`applies` to; same contract as
-    ``_triton_fwd.forward`` (batched layouts only). ``num_splits`` overrides the choice (tests)."""
-    assert cu_seqlens_q is None and cu_seqlens_k is None, "applies() excludes varlen"
-    shape = LaunchShape.of(q, k, None, params)
+    ``_triton_fwd.forward``. ``num_splits`` overrides the choice (tests)."""
+    shape = LaunchShape.of(q, k, cu_seqlens_q, params)
     cfg = tiles_for(shape.head_dim, q.device)
     splits = num_splits or num_splits_for(shape, cfg.block_n, q.device)
-    keys_per_split = triton.cdiv(triton.cdiv(shape.seqlen_k, splits), cfg.block_n) * cfg.block_n
-    splits = triton.cdiv(shape.seqlen_k, keys_per_split)  # no split starts past the last key
-    rows = shape.batch * shape.heads_q * shape.seqlen_q
+    keys_per_split = triton.cdiv(triton.cdiv(shape.max_seqlen_k, splits), cfg.block_n) * cfg.block_n
+    splits = triton.cdiv(shape.max_seqlen_k, keys_per_split)  # no split starts past the last key
+    tokens = q.shape[0] if shape.varlen else shape.batch * shape.seqlen_q
+    rows = tokens * shape.heads_q
+    if rows == 0:
+        return
     o_part = torch.empty(rows * splits, shape.head_dim, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(rows * splits, device=q.device, dtype=torch.float32)
     scalars, flags = shared_arguments(shape, params, alibi_slopes)
     group = flags["GROUP"]
     _split_kernel[(splits, shape.heads_kv, shape.batch)](
-        q, k, v, o_part, lse_part, alibi_slopes,
+        q, k, v, o_part, lse_part, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
         *shape.seq_strides(q), *shape.seq_strides(k), *shape.seq_strides(v),
         scalars["stride_ab"], shape.seqlen_q, shape.seqlen_k, shape.heads_q, keys_per_split,
         splits, scalars["qk_scale"], scalars["softcap_log2"], params.window_left,
         params.window_right, HEAD_DIM=flags["HEAD_DIM"], BLOCK_D=flags["BLOCK_D"],
-        BLOCK_M=max(16, triton.next_power_of_2(group * shape.seqlen_q)), BLOCK_N=cfg.block_n,
-        GROUP=group, HAS_WINDOW_LEFT=flags["HAS_WINDOW_LEFT"],
+        BLOCK_M=max(16, triton.next_power_of_2(group * shape.max_seqlen_q)), BLOCK_N=cfg.block_n,
+        GROUP=group, IS_VARLEN=shape.varlen, HAS_WINDOW_LEFT=flags["HAS_WINDOW_LEFT"],
         HAS_WINDOW_RIGHT=flags["HAS_WINDOW_RIGHT"], SOFTCAP=flags["SOFTCAP"],
         HAS_ALIBI=flags["HAS_ALIBI"], num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _combine_kernel[(rows,)](
         o_part, lse_part, out, lse, s_aux, *shape.seq_strides(out), *shape.lse_strides(lse),
         shape.seqlen_q, shape.heads_q, splits, HEAD_DIM=flags["HEAD_DIM"],
         BLOCK_D=flags["BLOCK_D"], BLOCK_S=max(2, triton.next_power_of_2(splits)),
-        HAS_SINK=s_aux is not None, num_warps=4 if shape.head_dim > 64 else 2)
+        IS_VARLEN=shape.varlen, HAS_SINK=s_aux is not None,
+        num_warps=4 if shape.head_dim > 64 else 2)

@@ -255,7 +255,8 @@ def forward(q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slope
         return
     from . import _triton_decode  # it imports this module's inner loop
     if tiles is None and _triton_decode.applies(q, k, cu_seqlens_q, params):
-        _triton_decode.forward(q, k, v, out, lse, s_aux=s_aux, alibi_slopes=alibi_slopes,
+        _triton_decode.forward(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q,
+                               cu_seqlens_k=cu_seqlens_k, s_aux=s_aux, alibi_slopes=alibi_slopes,
                                params=params)
         return
     cfg = tiles or tile_config(shape.head_dim, q.device, shape.longest)
