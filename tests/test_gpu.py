@@ -95,9 +95,28 @@ def test_deterministic_bitwise(flash_attn, heads):
         assert torch.equal(first, second)
 
 
-def test_decode_gqa(flash_attn):
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_decode_gqa(flash_attn, monkeypatch, backend):
+    """Triton runs this on its split-KV decode kernels, auto on the CUDA forward (sm90)."""
+    monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", backend)
     torch.manual_seed(3)
     q, k, v = make_qkv(4, 1, 8192, 32, 8, 128, dtype=torch.bfloat16, device="cuda",
                        requires_grad=False)
     ours, _ = run_api(flash_attn.flash_attn_func, q, k, v, causal=True)
     assert_matches_reference(ours, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_decode_varlen_gqa_with_sinks(flash_attn, monkeypatch, backend):
+    """Generate on a padded batch: varlen with one or two new queries per sequence against
+    caches of different lengths (an empty one among them), sinks, GQA 32/8."""
+    monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", backend)
+    torch.manual_seed(4)
+    lens_q, lens_k = [1, 2, 1, 0, 1], [5000, 1200, 1, 300, 8191]
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv(lens_q, lens_k, 32, 8, 128,
+                                                        dtype=torch.bfloat16, device="cuda")
+    s_aux = torch.randn(32, device="cuda", dtype=torch.float32)
+    ours, _ = run_api(flash_attn.flash_attn_varlen_func, q, k, v, cu_q, cu_k, max_q, max_k,
+                      causal=True, s_aux=s_aux)
+    assert_matches_reference(ours, q, k, v, causal=True, s_aux=s_aux, cu_seqlens_q=cu_q,
+                             cu_seqlens_k=cu_k)
