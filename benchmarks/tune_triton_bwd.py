@@ -36,13 +36,16 @@ HEADS = {64: ((32, 32),), 128: ((16, 16), (32, 8)), 256: ((8, 8),)}
 # the main trade-off (16 spills least, 64 measured fastest); stages 1 frees shared memory and
 # registers. On sm90+ the ``*_tma`` fields are searched first: tensor descriptors cut ptxas's
 # spills (dK/dV 64x128, 2 stages: 2.2 KB -> 1.3 KB; dQ 128x64: 255 regs -> 180, no spill).
+# ``dkdv_d_splits`` (two programs per key block, each owning half the head dim) is searched
+# first at D=128 and 256: it halves the accumulators (ptxas, sm_90a, D=256 with every feature:
+# 10 KB -> 1.5 KB spilled) for 1.5x the score dots, so the best tiles differ with it.
 DKDV = {
     64: dict(dkdv_block_m=(16, 32, 64), dkdv_block_n=(64, 128), dkdv_warps=(4, 8),
              dkdv_stages=(1, 2, 3)),
-    128: dict(dkdv_block_m=(16, 32, 64), dkdv_block_n=(64, 128), dkdv_warps=(4, 8),
-              dkdv_stages=(1, 2, 3)),
-    256: dict(dkdv_block_m=(16, 32), dkdv_block_n=(32, 64), dkdv_warps=(4, 8),
-              dkdv_stages=(1, 2)),
+    128: dict(dkdv_d_splits=(1, 2), dkdv_block_m=(16, 32, 64), dkdv_block_n=(64, 128),
+              dkdv_warps=(4, 8), dkdv_stages=(1, 2, 3)),
+    256: dict(dkdv_d_splits=(1, 2), dkdv_block_m=(16, 32, 64), dkdv_block_n=(32, 64, 128),
+              dkdv_warps=(4, 8), dkdv_stages=(1, 2)),
 }
 DQ = {
     64: dict(dq_block_m=(64, 128), dq_block_n=(32, 64, 128), dq_warps=(4, 8),

@@ -289,6 +289,36 @@ def test_deterministic_ignores_atomic_dq(bwd, attn_params, device):
         assert torch.equal(first[name], second[name]), name
 
 
+D_SPLIT_TILES = (16, 32, 1, 1, 32, 16, 1, 1, "tests: head-dim split", False, False, False, 2)
+D_SPLIT_CASES = ["gqa4_causal_sq_lt_sk", "mqa_causal_sq_gt_sk", "window_gqa2",
+                 "softcap_gqa4_causal", "dropout_gqa4_causal_seed64", "varlen_mqa_sink",
+                 "everything_varlen", "d40_transposed_window", "d80_gqa2", "d256_sink",
+                 "odd_130x17_full", "d8_causal"]
+
+
+@pytest.mark.parametrize("name", _marked(D_SPLIT_CASES))
+def test_head_dim_split(bwd, attn_params, device, name):
+    """``dkdv_d_splits=2``: two dK/dV programs per key block, each owning half the head dim
+    ([Note: head-dim split]); D=40 and D=80 leave the second half partly padding, and D=8/16
+    (BLOCK_D 16, too narrow to halve) run unsplit."""
+    case = CASES[name]
+    tiles = D_SPLIT_TILES if case.tiles is None else (*case.tiles, "tests", False, False,
+                                                       False, 2)
+    check_case(bwd, attn_params, device, dataclasses.replace(case, tiles=tiles))
+
+
+@pytest.mark.parametrize("name", ["everything_varlen", "d80_gqa2", "mqa_causal_sq_gt_sk"])
+def test_head_dim_split_with_atomic_dq_and_group_split(bwd, attn_params, device, name):
+    """The head-dim split with dQ from the dK/dV kernel (each program adds its half of dQ's
+    columns) and with the query-head group split across programs as well."""
+    tiles = (*D_SPLIT_TILES[:11], True, 2)
+    case = CASES[name]
+    group = case.heads[0] // case.heads[1]
+    check_case(bwd, attn_params, device,
+               dataclasses.replace(case, tiles=tiles, deterministic=False,
+                                   group_splits=2 if group % 2 == 0 else 1))
+
+
 @pytest.mark.kernels_ci
 def test_bitwise_deterministic(bwd, attn_params, device):
     """Two runs give bitwise equal gradients: every element has one writer, no atomics."""
@@ -485,19 +515,26 @@ def ptxas_usage(ptx, arch):
     return f"{regs} regs, {spill} B spill stores"
 
 for arch, name, tma in ((90, "sm90", False), (90, "sm90", True), (80, "sm80", False)):
-    for head_dim in (64, 128):
+    for head_dim in (64, 128, 256):
         tiles = bwd.TILES[(name, head_dim)]
-        # the dK/dV kernel also with a group split (fp32 partial stores) on sm90 pointers
-        splits = (1, 2) if (arch, tma) == (90, False) else (1,)
-        variants = [(bwd._bwd_dkdv_kernel, "dkdv", dict(GROUP_SPLITS=s)) for s in splits]
+        # the dK/dV kernel also with a group split (fp32 partial stores) and with the head-dim
+        # split (column slices, sm90 D=256 with atomic dQ) on sm90 pointers
+        extra = [dict(GROUP_SPLITS=2, D_SPLITS=1)] if (arch, tma) == (90, False) else []
+        if (arch, tma, head_dim) == (90, False, 256):
+            extra.append(dict(GROUP_SPLITS=1, D_SPLITS=2, ATOMIC_DQ=True))
+        variants = [(bwd._bwd_dkdv_kernel, "dkdv", e)
+                    for e in [dict(GROUP_SPLITS=1, D_SPLITS=1)] + extra]
         for kernel, kind, extra in variants + [(bwd._bwd_dq_kernel, "dq", {})]:
             flags = dict(HEAD_DIM=head_dim - 8, BLOCK_D=head_dim, GROUP=4, IS_VARLEN=True,
                          HAS_WINDOW_LEFT=True, HAS_WINDOW_RIGHT=True, SOFTCAP=True,
                          HAS_ALIBI=True, DROPOUT=True, BLOCK_M=getattr(tiles, kind + "_block_m"),
                          BLOCK_N=getattr(tiles, kind + "_block_n"),
                          TMA=tma or getattr(tiles, kind + "_tma"), **extra)
-            fp32 = {"LSE", "DELTA", "ALIBI"} | ({"DK", "DV"} if extra.get("GROUP_SPLITS", 1) > 1
-                                                else set())
+            if kind == "dkdv":
+                flags.setdefault("ATOMIC_DQ", False)
+            fp32 = ({"LSE", "DELTA", "ALIBI"}
+                    | ({"DK", "DV"} if extra.get("GROUP_SPLITS", 1) > 1 else set())
+                    | ({"DQACC"} if extra.get("ATOMIC_DQ") else set()))
             signature = {}
             for arg in kernel.arg_names:
                 if arg in flags:

@@ -83,9 +83,10 @@ import triton.language as tl
 
 from ._params import AttnParams
 from ._triton_common import (LOG2E, LaunchShape, dropout_keep, dropout_row_hash,
-                             key_block_range, load_rows, load_rows_t, mix32, query_block_range,
-                             rows_source, safe_lse_log2, scores_log2, sequence_bounds,
-                             shared_arguments, store_rows, use_tma, visible)
+                             key_block_range, load_column_slice, load_rows, load_rows_t, mix32,
+                             query_block_range, rows_source, safe_lse_log2, scores_log2,
+                             sequence_bounds, shared_arguments, store_column_slice, store_rows,
+                             use_tma, visible)
 from ._tuning import HEAD_DIM_BUCKETS, TileTable
 
 
@@ -132,21 +133,25 @@ def _bwd_delta_kernel(O, DO, DELTA, CU_SEQLENS_Q,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_base, stride_qs,
-                stride_dos, stride_ls, stride_dqs, block_lo, block_hi, cols, seqlen_q, seqlen_k,
-                softmax_scale, qk_scale, softcap_log2, alibi_slope_log2, window_left,
-                window_right, seed_lo, seed_hi, batch, head, num_heads_q, threshold,
-                dropout_rescale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
-                HAS_ALIBI: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
-                HAS_WINDOW_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr,
-                ATOMIC_DQ: tl.constexpr):
+def _dkdv_inner(dk, dv, k, k_cols, v, q_src, do_src, q_base, do_base, lse_base, delta_base,
+                dq_base, stride_qs, stride_dos, stride_ls, stride_dqs, block_lo, block_hi, cols,
+                col0, seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2,
+                alibi_slope_log2, window_left, window_right, seed_lo, seed_hi, batch, head,
+                num_heads_q, threshold, dropout_rescale, MASKED: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                D_SPLITS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
+                DROPOUT: tl.constexpr, TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """Accumulates the contribution of query blocks ``[block_lo, block_hi)`` of one head;
     ``q_src``/``do_src`` are that head's Q/dO matrices as ``rows_source`` gives them. With
-    ATOMIC_DQ it also adds ``scale * dS K`` into the fp32 rows at ``dq_base``."""
+    ATOMIC_DQ it also adds ``scale * dS K`` into the fp32 rows at ``dq_base``. With
+    D_SPLITS > 1 the program owns head-dim columns ``col0 .. col0 + BLOCK_D / D_SPLITS`` of
+    dK, dV (and dQ): the scores still contract over the whole head dim, the gradient dots read
+    that column slice of Q and dO (``q_base``/``do_base``, pointers) and of K (``k_cols``)."""
     diag = seqlen_k - seqlen_q
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    WIDTH: tl.constexpr = BLOCK_D // D_SPLITS
+    offs_d = col0 + tl.arange(0, WIDTH)
     for block in range(block_lo, block_hi):
         start_m = block * BLOCK_M
         rows = start_m + offs_m
@@ -176,13 +181,21 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_base, stri
             dp_t = tl.where(keep_t, dp_t * dropout_rescale, 0.0)
         else:
             pd_t = p_t
-        dv += tl.dot(pd_t.to(do.dtype), do)
+        if D_SPLITS == 1:
+            do_cols = do
+            q_cols = tl.trans(q_t)
+        else:
+            do_cols = load_column_slice(do_base, start_m, stride_dos, seqlen_q, col0, BLOCK_M,
+                                        WIDTH, HEAD_DIM, MASKED)
+            q_cols = load_column_slice(q_base, start_m, stride_qs, seqlen_q, col0, BLOCK_M,
+                                       WIDTH, HEAD_DIM, MASKED)
+        dv += tl.dot(pd_t.to(do.dtype), do_cols)
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:
             ds_t = ds_t * (1.0 - t_t * t_t)
-        dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t))
+        dk += tl.dot(ds_t.to(q_t.dtype), q_cols)
         if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k) * softmax_scale
+            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k_cols) * softmax_scale
             dq_ptrs = dq_base + rows[:, None] * stride_dqs + offs_d[None, :]
             if MASKED:
                 dq_ok = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
@@ -206,14 +219,20 @@ def _bwd_dkdv_kernel(
         BLOCK_N: tl.constexpr, GROUP: tl.constexpr, GROUP_SPLITS: tl.constexpr,
         IS_VARLEN: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
         SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-        TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+        TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr, D_SPLITS: tl.constexpr):
+    # The GROUP_SPLITS x D_SPLITS programs of one key block are adjacent in launch order: they
+    # run together (sharing the K/V tile in L2) and the heaviest causal key blocks go first.
+    pid = tl.program_id(0)
+    if D_SPLITS == 1:
+        col0 = 0
+    else:  # [Note: head-dim split]
+        col0 = (pid % D_SPLITS) * (BLOCK_D // D_SPLITS)
+        pid = pid // D_SPLITS
     if GROUP_SPLITS == 1:
-        pid_n = tl.program_id(0)
+        pid_n = pid
     else:
-        # The GROUP_SPLITS programs of one key block are adjacent in launch order: they run
-        # together (sharing the K/V tile in L2) and the heaviest causal key blocks go first.
-        pid_n = tl.program_id(0) // GROUP_SPLITS
-        split = tl.program_id(0) % GROUP_SPLITS
+        pid_n = pid // GROUP_SPLITS
+        split = pid % GROUP_SPLITS
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(
@@ -234,8 +253,14 @@ def _bwd_dkdv_kernel(
                         seqlen_k, stride_vs, BLOCK_N, HEAD_DIM, BLOCK_D, TMA)
     k = load_rows(k_src, n_first, stride_ks, seqlen_k, BLOCK_N, HEAD_DIM, BLOCK_D, True, TMA)
     v = load_rows(v_src, n_first, stride_vs, seqlen_k, BLOCK_N, HEAD_DIM, BLOCK_D, True, TMA)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    if D_SPLITS == 1:
+        k_cols = k
+    else:
+        k_cols = load_column_slice(K + batch64 * stride_kb + kv_head64 * stride_kh
+                                   + k_row0 * stride_ks, n_first, stride_ks, seqlen_k, col0,
+                                   BLOCK_N, BLOCK_D // D_SPLITS, HEAD_DIM, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D // D_SPLITS], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D // D_SPLITS], tl.float32)
     if DROPOUT:
         thr = threshold.to(tl.uint32)
     else:
@@ -251,11 +276,10 @@ def _bwd_dkdv_kernel(
     for g in range(GROUP // GROUP_SPLITS):
         head = head_first + g
         head64 = head.to(tl.int64)
-        q_src = rows_source(Q + batch64 * stride_qb + head64 * stride_qh + q_row0 * stride_qs,
-                            seqlen_q, stride_qs, BLOCK_M, HEAD_DIM, BLOCK_D, TMA)
-        do_src = rows_source(DO + batch64 * stride_dob + head64 * stride_doh
-                             + q_row0 * stride_dos, seqlen_q, stride_dos, BLOCK_M, HEAD_DIM,
-                             BLOCK_D, TMA)
+        q_base = Q + batch64 * stride_qb + head64 * stride_qh + q_row0 * stride_qs
+        do_base = DO + batch64 * stride_dob + head64 * stride_doh + q_row0 * stride_dos
+        q_src = rows_source(q_base, seqlen_q, stride_qs, BLOCK_M, HEAD_DIM, BLOCK_D, TMA)
+        do_src = rows_source(do_base, seqlen_q, stride_dos, BLOCK_M, HEAD_DIM, BLOCK_D, TMA)
         lse_base = LSE + batch64 * stride_lb + head64 * stride_lh + q_row0 * stride_ls
         delta_base = DELTA + batch64 * stride_lb + head64 * stride_lh + q_row0 * stride_ls
         dq_base = DQACC + batch64 * stride_dqb + head64 * stride_dqh + q_row0 * stride_dqs
@@ -264,32 +288,41 @@ def _bwd_dkdv_kernel(
         else:
             alibi_slope_log2 = 0.0
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_base, stride_qs, stride_dos,
-            stride_ls, stride_dqs, full_lo, full_hi, cols, seqlen_q, seqlen_k, softmax_scale, qk_scale,
-            softcap_log2, alibi_slope_log2, window_left, window_right, seed_lo, seed_hi, batch,
-            head, num_heads_q, thr, dropout_rescale, False, HEAD_DIM, BLOCK_M, BLOCK_D,
-            SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA, ATOMIC_DQ)
+            dk, dv, k, k_cols, v, q_src, do_src, q_base, do_base, lse_base, delta_base, dq_base,
+            stride_qs, stride_dos, stride_ls, stride_dqs, full_lo, full_hi, cols, col0, seqlen_q,
+            seqlen_k, softmax_scale, qk_scale, softcap_log2, alibi_slope_log2, window_left,
+            window_right, seed_lo, seed_hi, batch, head, num_heads_q, thr, dropout_rescale,
+            False, HEAD_DIM, BLOCK_M, BLOCK_D, D_SPLITS, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT,
+            HAS_WINDOW_RIGHT, DROPOUT, TMA, ATOMIC_DQ)
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_base, stride_qs, stride_dos,
-            stride_ls, stride_dqs, lo, full_lo, cols, seqlen_q, seqlen_k, softmax_scale, qk_scale,
-            softcap_log2, alibi_slope_log2, window_left, window_right, seed_lo, seed_hi, batch,
-            head, num_heads_q, thr, dropout_rescale, True, HEAD_DIM, BLOCK_M, BLOCK_D,
-            SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA, ATOMIC_DQ)
+            dk, dv, k, k_cols, v, q_src, do_src, q_base, do_base, lse_base, delta_base, dq_base,
+            stride_qs, stride_dos, stride_ls, stride_dqs, lo, full_lo, cols, col0, seqlen_q,
+            seqlen_k, softmax_scale, qk_scale, softcap_log2, alibi_slope_log2, window_left,
+            window_right, seed_lo, seed_hi, batch, head, num_heads_q, thr, dropout_rescale,
+            True, HEAD_DIM, BLOCK_M, BLOCK_D, D_SPLITS, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT,
+            HAS_WINDOW_RIGHT, DROPOUT, TMA, ATOMIC_DQ)
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_base, stride_qs, stride_dos,
-            stride_ls, stride_dqs, full_hi, hi, cols, seqlen_q, seqlen_k, softmax_scale, qk_scale,
-            softcap_log2, alibi_slope_log2, window_left, window_right, seed_lo, seed_hi, batch,
-            head, num_heads_q, thr, dropout_rescale, True, HEAD_DIM, BLOCK_M, BLOCK_D,
-            SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA, ATOMIC_DQ)
+            dk, dv, k, k_cols, v, q_src, do_src, q_base, do_base, lse_base, delta_base, dq_base,
+            stride_qs, stride_dos, stride_ls, stride_dqs, full_hi, hi, cols, col0, seqlen_q,
+            seqlen_k, softmax_scale, qk_scale, softcap_log2, alibi_slope_log2, window_left,
+            window_right, seed_lo, seed_hi, batch, head, num_heads_q, thr, dropout_rescale,
+            True, HEAD_DIM, BLOCK_M, BLOCK_D, D_SPLITS, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT,
+            HAS_WINDOW_RIGHT, DROPOUT, TMA, ATOMIC_DQ)
 
     dk = dk * softmax_scale
     out_base = batch64 * stride_dkb + kv_head64 * stride_dkh + k_row0 * stride_dks
     if GROUP_SPLITS > 1:
         out_base += split.to(tl.int64) * stride_dkp  # this split's fp32 partial
-    store_rows(DK + out_base, n_first, stride_dks, seqlen_k, dk.to(DK.dtype.element_ty),
-               BLOCK_N, HEAD_DIM, BLOCK_D, False)
-    store_rows(DV + out_base, n_first, stride_dks, seqlen_k, dv.to(DV.dtype.element_ty),
-               BLOCK_N, HEAD_DIM, BLOCK_D, False)
+    if D_SPLITS == 1:
+        store_rows(DK + out_base, n_first, stride_dks, seqlen_k, dk.to(DK.dtype.element_ty),
+                   BLOCK_N, HEAD_DIM, BLOCK_D, False)
+        store_rows(DV + out_base, n_first, stride_dks, seqlen_k, dv.to(DV.dtype.element_ty),
+                   BLOCK_N, HEAD_DIM, BLOCK_D, False)
+    else:
+        store_column_slice(DK + out_base, n_first, stride_dks, seqlen_k, col0,
+                           dk.to(DK.dtype.element_ty), BLOCK_N, BLOCK_D // D_SPLITS, HEAD_DIM)
+        store_column_slice(DV + out_base, n_first, stride_dks, seqlen_k, col0,
+                           dv.to(DV.dtype.element_ty), BLOCK_N, BLOCK_D // D_SPLITS, HEAD_DIM)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -442,6 +475,8 @@ class BwdTiles:
     # deterministic=False only: dQ accumulated with fp32 atomics in the dK/dV kernel, no dQ
     # kernel ([Note: atomic dQ]); the dq_* fields then go unused
     atomic_dq: bool = False
+    # dK/dV programs per key block, each owning a slice of the head dim ([Note: head-dim split])
+    dkdv_d_splits: int = 1
 
 
 _T = BwdTiles
@@ -486,6 +521,16 @@ def tile_config(head_dim: int, device: torch.device, seqlen: int) -> BwdTiles:
     """The tiles of a call: measured for this GPU if the tuning file has them, else the table."""
     return TABLE.for_call(device, head_dim, seqlen)
 
+
+# [Note: head-dim split] A dK/dV program holds two BLOCK_N x BLOCK_D fp32 accumulators; at
+# D=256 that is 2 x 64 x 256 x 4 B = 128 KB of registers for a 64-key block, so the tiles shrink
+# until the dots are too small to be efficient and ptxas still spills (the H200 measured
+# 135-165 TFLOP/s, 0.55x SDPA flash). With ``dkdv_d_splits = 2`` each key block gets two
+# programs, each owning half of the head dim of dK and dV (and of dQ on the atomic path): both
+# compute the full S^T = K Q^T and dP^T = V dO^T (they contract over the whole head dim) and
+# then the dV, dK dots on their half, reading that half of Q, dO (and K) as a column slice.
+# The score dots are done twice, 6 instead of 4 M*N*D per step, for half the accumulators.
+# Untimed: the tuning script searches it (D=128 and 256).
 
 # [Note: group split] A dK/dV program owns one key block of one (batch, kv head) and loops over
 # that kv head's GROUP query heads. With few kv heads (MQA, high GQA ratios) that grid is small:
@@ -585,14 +630,16 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
             partial = torch.empty((2, group_splits, *dk.shape), device=dk.device,
                                   dtype=torch.float32)
             dk_dst, dv_dst, split_stride = partial[0], partial[1], partial.stride(1)
-        grid = (key_blocks * group_splits, shape.heads_kv, shape.batch)
+        assert cfg.dkdv_d_splits in (1, 2, 4), "a power of two that divides every BLOCK_D >= 16"
+        d_splits = cfg.dkdv_d_splits if flags["BLOCK_D"] // cfg.dkdv_d_splits >= 16 else 1
+        grid = (key_blocks * group_splits * d_splits, shape.heads_kv, shape.batch)
         _bwd_dkdv_kernel[grid](
             q, k, v, dout, lse, delta, dk_dst, dv_dst, dq_acc, cu_seqlens_q, cu_seqlens_k,
             alibi_slopes, *strides, *shape.seq_strides(dk), split_stride,
             *shape.seq_strides(dq_acc), *shape.lse_strides(lse), **scalars,
             BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, GROUP_SPLITS=group_splits,
             TMA=use_tma(cfg.dkdv_tma, q.device, shape, q, k, v, dout), ATOMIC_DQ=atomic_dq,
-            num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **flags)
+            D_SPLITS=d_splits, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **flags)
         if group_splits > 1:
             dk.copy_(dk_dst.sum(dim=0))
             dv.copy_(dv_dst.sum(dim=0))

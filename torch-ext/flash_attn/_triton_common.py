@@ -17,7 +17,9 @@ Kernel helpers: ``sequence_bounds`` (a sequence's start and lengths, batched or 
 ``scores_log2`` (the score hook: scale, softcap, ALiBi) with its host-side
 ``score_constants``; ``visible`` (the band mask, either tile orientation); ``key_block_range`` /
 ``query_block_range`` (which key blocks a query block sees, and the mirror, split into unmasked
-interior and masked edges); ``safe_lse_log2`` (LSE for recomputing P);
+interior and masked edges); ``safe_lse_log2`` (LSE for recomputing P); ``load_rows`` /
+``load_rows_t`` / ``store_rows`` (tiles of a (rows, D) matrix, pointers or descriptors) and
+``load_column_slice`` / ``store_column_slice`` (a slice of its columns);
 ``dropout_row_hash``/``dropout_keep`` with host-side ``dropout_constants``; ``tanh``; ``LOG2E``
 (a constexpr). Launcher helpers: ``LaunchShape`` (sizes and strides of a call) and
 ``shared_arguments`` (the scalars and constexpr flags every kernel takes by the same name).
@@ -279,6 +281,32 @@ def load_rows_t(src, row0, stride, n_rows, BLOCK_R: tl.constexpr, HEAD_DIM: tl.c
         else:
             tile = tl.load(ptrs, mask=(offs_d < HEAD_DIM)[:, None], other=0.0)
     return tile
+
+
+@triton.jit
+def load_column_slice(base, row0, stride, n_rows, col0, BLOCK_R: tl.constexpr,
+                      WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """Rows ``row0 .. row0 + BLOCK_R``, columns ``col0 .. col0 + WIDTH`` of the (n_rows,
+    HEAD_DIM) matrix at pointer ``base``, zeros outside it (the pointer path; for kernels that
+    own a slice of the head dim)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    cols = col0 + tl.arange(0, WIDTH)
+    ptrs = base + row0.to(tl.int64) * stride + offs_r[:, None] * stride + cols[None, :]
+    ok = (cols < HEAD_DIM)[None, :]
+    if MASK_ROWS:
+        ok = ok & ((row0 + offs_r) < n_rows)[:, None]
+    return tl.load(ptrs, mask=ok, other=0.0)
+
+
+@triton.jit
+def store_column_slice(base, row0, stride, n_rows, col0, tile, BLOCK_R: tl.constexpr,
+                       WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Store a (BLOCK_R, WIDTH) tile at rows ``row0..``, columns ``col0..``; nothing outside
+    the (n_rows, HEAD_DIM) matrix."""
+    offs_r = tl.arange(0, BLOCK_R)
+    cols = col0 + tl.arange(0, WIDTH)
+    ptrs = base + row0.to(tl.int64) * stride + offs_r[:, None] * stride + cols[None, :]
+    tl.store(ptrs, tile, mask=((row0 + offs_r) < n_rows)[:, None] & (cols < HEAD_DIM)[None, :])
 
 
 @triton.jit
