@@ -307,6 +307,13 @@ def test_head_dim_split(bwd, attn_params, device, name):
     check_case(bwd, attn_params, device, dataclasses.replace(case, tiles=tiles))
 
 
+@pytest.mark.parametrize("name", ["everything_varlen", "d40_transposed_window"])
+def test_head_dim_split_with_tensor_descriptors(bwd, attn_params, device, name):
+    """Full tiles through descriptors, the column slices through pointers, in one program."""
+    tiles = (*D_SPLIT_TILES[:9], True, True, False, 2)
+    check_case(bwd, attn_params, device, dataclasses.replace(CASES[name], tiles=tiles))
+
+
 @pytest.mark.parametrize("name", ["everything_varlen", "d80_gqa2", "mqa_causal_sq_gt_sk"])
 def test_head_dim_split_with_atomic_dq_and_group_split(bwd, attn_params, device, name):
     """The head-dim split with dQ from the dK/dV kernel (each program adds its half of dQ's
