@@ -20,6 +20,7 @@ WORK=$(mktemp -d /tmp/flash_cuda_check.XXXX)
 PKG=$WORK/pkg/flash_attn
 mkdir -p "$PKG" "$WORK/obj" "$WORK/tests"
 FLAGS=(-std=c++17 -O3 -Xcompiler -fPIC -DTORCH_TARGET_VERSION=0x020b000000000000
+       -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
        -DTORCH_EXTENSION_NAME=$NAME -I"$CUTLASS_INCLUDE" -I"$TORCH_DIR/include" -I"$PY_INCLUDE"
        -gencode arch=compute_90a,code=sm_90a)
 

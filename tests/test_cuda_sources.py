@@ -34,7 +34,8 @@ def _cutlass_include() -> Path | None:
                     reason="needs nvcc and the nvidia-cutlass headers")
 def test_smem_layouts_match_copy_engine_boxes(tmp_path):
     exe = tmp_path / "layout_check"
-    build = subprocess.run(["nvcc", "-std=c++17", f"-I{_cutlass_include()}",
+    build = subprocess.run(["nvcc", "-std=c++17", "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
+                            f"-I{_cutlass_include()}",
                             str(ROOT / "csrc" / "hopper" / "layout_check.cu"), "-o", str(exe)],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-4000:]

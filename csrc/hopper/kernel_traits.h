@@ -2,7 +2,7 @@
 //
 // Glossary
 //   kBlockM      query rows per CTA: two consumer warpgroups of 64 rows each
-//   kBlockN      keys per pipeline stage
+//   kBlockN      keys per pipeline stage (the tile table's band column when kWindow)
 //   kHeadDim     head dim the kernel is compiled for (inputs with d <= kHeadDim run on it; the
 //                copy engine zero-fills columns d..kHeadDim, which add nothing to Q.K nor to O)
 //   chunk        columns of one copy-engine box: one swizzle row (128, 64 or 32 bytes)
@@ -19,6 +19,9 @@
 // elements apart. csrc/hopper/layout_check.cu checks this equivalence element by element.
 #pragma once
 
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#error "build with -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (build.toml cuda-flags): see [Note] wgmma widths"
+#endif
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
@@ -58,7 +61,7 @@ struct FwdTraits {
 
   using Tile = TileSize<kHeadDim>;
   static constexpr int kBlockM = Tile::kBlockM;
-  static constexpr int kBlockN = Tile::kBlockN;
+  static constexpr int kBlockN = kWindow ? Tile::kBlockNBand : Tile::kBlockN;
   static constexpr int kStages = Tile::kStages;
 
   static constexpr int kConsumerWarpgroups = 2;
@@ -67,6 +70,7 @@ struct FwdTraits {
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static_assert(kBlockM == kRowsPerWarpgroup * kConsumerWarpgroups, "one 64-row slice per consumer");
   static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "GEMM K extents are multiples of 16");
+  static_assert(kBlockN <= 256, "one copy-engine box and one wgmma cover the key block");
 
   static constexpr int kSwizzleBytes = kHeadDim % 64 == 0 ? 128 : kHeadDim % 32 == 0 ? 64 : 32;
   static constexpr int kChunk = kSwizzleBytes / int(sizeof(Element));
@@ -86,6 +90,9 @@ struct FwdTraits {
       AtomMN{}, cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{},
       cute::Step<cute::_2, cute::_1, cute::_3>{}));
 
+  // [Note] wgmma widths: key blocks such as 176, 112 and 80 are single wgmma instructions only
+  // with CUTLASS's extended shapes (CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, set in build.toml's
+  // cuda-flags); without them the selector would tile the S GEMM into 16-wide instructions.
   using MmaS = decltype(cute::make_tiled_mma(
       gmma::ss_op_selector<Element, Element, float,
                            cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>()));
@@ -102,10 +109,12 @@ struct FwdTraits {
   static constexpr int kOffsetK = kTileBytesQ;
   static constexpr int kOffsetV = kOffsetK + kStages * kTileBytesKV;
   static constexpr int kOffsetBarriers = kOffsetV + kStages * kTileBytesKV;
-  static constexpr int kNumBarriers = 1 + 4 * kStages;
+  static constexpr int kNumBarriers = 2 + 4 * kStages;  // Q full/empty, K/V full/empty
   static constexpr int kSmemBytes = kOffsetBarriers + 8 * kNumBarriers + 1024;
   static_assert(kTileBytesQ % 1024 == 0 && kTileBytesKV % 1024 == 0, "tiles keep 1024-byte alignment");
   static_assert(kSmemBytes <= 227 * 1024, "fits the sm90 per-block shared-memory limit");
+  static_assert(cute::size<1>(typename MmaS::AtomShape_MNK{}) == kBlockN,
+                "the S GEMM is one wgmma wide (see [Note] wgmma widths)");
 };
 
 }  // namespace flash::hopper

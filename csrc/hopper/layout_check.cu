@@ -1,9 +1,11 @@
 // Host-only self-check: the shared-memory layouts the GEMMs read (kernel_traits.h) place every
 // element exactly where the copy engine's swizzled boxes write it. Build and run:
-//   nvcc -std=c++17 -I<cutlass include> csrc/hopper/layout_check.cu -o /tmp/layout_check && /tmp/layout_check
+//   nvcc -std=c++17 -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED -I<cutlass include> \
+//     csrc/hopper/layout_check.cu -o /tmp/layout_check && /tmp/layout_check
 #include <cstdio>
 #include <cstdlib>
 
+#include "head_dims.h"
 #include "kernel_traits.h"
 
 namespace {
@@ -43,19 +45,25 @@ int check() {
         bad += long(reinterpret_cast<char*>(&sV(c, r, s)) - reinterpret_cast<char*>(base)) != want;
       }
   std::free(base);
-  std::printf("head dim %3d: M %d N %d stages %d swizzle %d smem %d B: %s (%d mismatches)\n", D, M,
-              N, S, Traits::kSwizzleBytes, Traits::kSmemBytes, bad ? "FAIL" : "ok", bad);
+  std::printf("head dim %3d%s: M %d N %d stages %d swizzle %d smem %d B: %s (%d mismatches)\n", D,
+              Traits::kWindow ? " band" : "", M, N, S, Traits::kSwizzleBytes, Traits::kSmemBytes,
+              bad ? "FAIL" : "ok", bad);
   return bad;
 }
 
 }  // namespace
 
-int main() {
-  using flash::hopper::FwdTraits;
+template <int kHeadDim>
+int check_both_tiles() {
   using bf16 = cutlass::bfloat16_t;
-  int bad = check<FwdTraits<bf16, 64, false, false>>() + check<FwdTraits<bf16, 96, false, false>>() +
-            check<FwdTraits<bf16, 128, false, false>>() +
-            check<FwdTraits<bf16, 192, false, false>>() +
-            check<FwdTraits<bf16, 256, false, false>>();
+  return check<flash::hopper::FwdTraits<bf16, kHeadDim, false, false>>() +
+         check<flash::hopper::FwdTraits<bf16, kHeadDim, true, false>>();
+}
+
+int main() {
+  int bad = 0;
+#define FLASH_HOPPER_CHECK_HEAD_DIM(D) bad += check_both_tiles<D>();
+  FLASH_HOPPER_FOR_EACH_HEAD_DIM(FLASH_HOPPER_CHECK_HEAD_DIM)
+#undef FLASH_HOPPER_CHECK_HEAD_DIM
   return bad ? 1 : 0;
 }
