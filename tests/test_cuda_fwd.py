@@ -8,7 +8,7 @@ PyTorch's own error in the input dtype; the Triton cross-check holds us to twice
 Covered: bf16/fp16 x every compiled head dim (and head dims between them, run on the next one
 up) x causal; Sq != Sk both ways with awkward sizes; causal, sliding windows, softcap, sinks
 (with fully masked rows), GQA and MQA by index, varlen with empty sequences, transposed and
-packed-qkv strides. A CPU-only check covers import and `supports` without a GPU.
+packed-qkv strides; several tiles per persistent CTA (paired causal blocks included). A CPU-only check covers import and `supports` without a GPU.
 """
 
 from __future__ import annotations
@@ -164,6 +164,34 @@ def test_strided_layouts(cuda_backend, attn_params):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (300, 0), (-1, 77)],
+                         ids=["full", "causal", "sliding", "right"])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+def test_many_tiles_per_cta(cuda_backend, attn_params, window, d):
+    """More units than SMs, so each persistent CTA runs several tiles back to back (its Q, K/V
+    ring and pingpong carried from one tile to the next). 1100 queries are 9 query blocks: under
+    a triangle band (causal, right bound only) the units pair blocks 8+0, ..., 5+3 and leave
+    block 4 alone; Sk != Sq and Sk not a multiple of any key block."""
+    q, k, v = seeded_cuda_qkv(3, 1100, 1301, 16, 4, d, torch.bfloat16, seed=d + sum(window))
+    params = backend_params(attn_params, d, causal=window == (-1, 0), window=window, max_q=1100,
+                            max_k=1301)
+    _check(cuda_backend, q, k, v, params)
+
+
+@pytest.mark.gpu
+@pytest.mark.sanitize
+@needs_sm90
+def test_small_persistent_tiles(cuda_backend, attn_params):
+    """Several tiles per persistent CTA (batched, full and causal), sized for compute-sanitizer:
+    5 query blocks x 64 heads = 320 tiles, 192 causal units."""
+    q, k, v = seeded_cuda_qkv(1, 520, 520, 64, 8, 64, torch.float16, seed=23)
+    for causal in (False, True):
+        _check(cuda_backend, q, k, v, backend_params(attn_params, 64, causal=causal, max_q=520,
+                                                     max_k=520))
+
+
+@pytest.mark.gpu
+@needs_sm90
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_against_triton(cuda_backend, triton_fwd, attn_params, causal):
     q, k, v = seeded_cuda_qkv(2, 1000, 1000, 4, 2, 128, torch.bfloat16, seed=17)
@@ -191,6 +219,27 @@ def test_small_all_features_once(cuda_backend, attn_params):
     params = backend_params(attn_params, 80, window=(20, 3), softcap=8.0, max_q=max(seq),
                             max_k=max(seq))
     _check(cuda_backend, q, k, v, params, cu_q=cu, cu_k=cu, s_aux=torch.randn(4, device="cuda"))
+
+
+def test_decode_preference(cuda_backend, attn_params, monkeypatch):
+    """[Note: decode on Triton]: with the switch on, a GQA decode over many keys (batched, and
+    varlen as generate calls it) is preferred on Triton; a prefill, a short key range and
+    dropout are not. No GPU needed: the rule reads shapes only."""
+    monkeypatch.setattr(cuda_backend, "DECODE_ON_TRITON", True)
+    q = torch.empty(4, 1, 32, 128)
+    k = torch.empty(4, 4096, 8, 128)
+    decode = backend_params(attn_params, 128, causal=True, max_q=1, max_k=4096)
+    assert cuda_backend.forward_prefers_triton(q, k, decode)
+    qv, kv = torch.empty(4, 32, 128), torch.empty(4 * 4096, 8, 128)
+    assert cuda_backend.forward_prefers_triton(qv, kv, decode)
+    prefill = backend_params(attn_params, 128, causal=True, max_q=4096, max_k=4096)
+    assert cuda_backend.forward_prefers_triton(torch.empty(4, 4096, 32, 128), k, prefill) is None
+    short = backend_params(attn_params, 128, causal=True, max_q=1, max_k=128)
+    assert cuda_backend.forward_prefers_triton(q, k[:, :128], short) is None
+    dropout = dataclasses.replace(decode, dropout_p=0.1)
+    assert cuda_backend.forward_prefers_triton(q, k, dropout) is None
+    monkeypatch.setattr(cuda_backend, "DECODE_ON_TRITON", False)
+    assert cuda_backend.forward_prefers_triton(q, k, decode) is None
 
 
 @pytest.mark.kernels_ci

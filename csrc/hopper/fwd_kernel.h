@@ -1,4 +1,5 @@
-// sm90a forward attention kernel: one CTA = one (query block, query head, batch) tile.
+// sm90a forward attention kernel: a persistent CTA per SM, each running a static list of
+// (query block, query head, batch) tiles ([Note] Persistent schedule).
 //
 // Glossary
 //   producer     warpgroup 0: one elected thread issues every copy-engine (TMA) load; the
@@ -10,6 +11,8 @@
 //                threads that finished reading the slot
 //   phase        the parity bit of a ring slot's barrier, flipped each time the ring wraps
 //   q_start/k_start  first token of this sequence on the token axis (varlen), else 0
+//   unit         what the schedule hands a CTA: one tile, or two tiles of one (head, batch)
+//                whose causal work adds up to a constant
 //
 // Key blocks are visited from the last visible one down to the first, so the partial blocks at
 // the sequence end (and the diagonal) come first; each block is masked only when its rectangle
@@ -24,8 +27,25 @@
 // the loads complete the transaction. empty_k[s]/empty_v[s]: init count = all consumer threads;
 // each arrives after its wgmma that read the slot has retired (warpgroup_wait<0>). The producer
 // waits empty with the opposite parity, so the first pass through the ring does not block.
-// Q has its own barrier, loaded once even when no key block is visible (the consumers always
-// wait on it, then write zeros and -inf/s_aux).
+// The ring's stage and phase run on across tiles, so the next tile's K/V stream in as soon as
+// the last blocks of this one are read. Q has a full/empty pair of its own (phase = parity of
+// the CTA's tile count): it is loaded for every tile, even one with no visible key block (the
+// consumers always wait on it, then write zeros and -inf/s_aux), and each consumer thread
+// releases it right after its last S GEMM of the tile has retired, so the next tile's Q lands
+// while the consumers finish their last P V and store O.
+//
+// [Note] Persistent schedule
+// Batched calls launch one CTA per SM (fewer when there are fewer units); CTA c runs units c,
+// c + grid, c + 2 grid, ... in the order unit -> (block pair or block, head, batch), blocks of
+// one (head, batch) adjacent, so the CTAs working at one moment share a few heads' K/V in L2.
+// Under a triangle band (a right bound, no left bound: causal) the work of query block m grows
+// with m, so a unit pairs blocks num_m-1-j and j, whose work adds up to the same amount for
+// every j: a static round robin then gives every CTA the same work, where single blocks in the
+// same order would leave some CTAs a quarter more (the CTAs whose blocks are all long).
+// Without a band every block costs the same and a unit is one block. Varlen batches, whose
+// tiles differ by their documents' lengths, launch one CTA per tile in the same order and let
+// the hardware balance them, as before the schedule existed. The producer and the consumers walk
+// the same list and skip the same empty tiles, so no tile index passes between them.
 //
 // [Note] Pingpong
 // Two named barriers (kPingpongBarrier + consumer index, 256 threads: the 128 that wait plus the
@@ -54,18 +74,46 @@
 
 namespace flash::hopper {
 
+// The static tile list of [Note] Persistent schedule.
+struct FwdSchedule {
+  int num_m;          // query blocks per (head, batch): of Sq, or of the longest sequence (varlen)
+  int units_per_hb;   // units per (head, batch): num_m, or ceil(num_m / 2) when paired
+  int heads;          // Hq
+  int units;          // units_per_hb * Hq * B
+  bool paired;
+
+  struct Tile {
+    int m_block, head, batch;
+  };
+
+  // Tile `part` (0 or 1) of unit u; false when the unit has no such part.
+  __host__ __device__ bool tile(int u, int part, Tile& t) const {
+    const int j = u % units_per_hb;
+    const int hb = u / units_per_hb;
+    t.head = hb % heads;
+    t.batch = hb / heads;
+    t.m_block = num_m - 1 - j;  // longest first
+    if (part == 0) return true;
+    t.m_block = j;
+    return paired && j < num_m - 1 - j;
+  }
+};
+
 struct FwdArgs {
   CUtensorMap tma_q;  // (d, rows_q, Hq, B) boxes of (chunk, kBlockM, 1, 1)
   CUtensorMap tma_k;  // (d, rows_k, Hkv, B) boxes of (chunk, kBlockN, 1, 1)
   CUtensorMap tma_v;
   FlashParams p;
+  FwdSchedule sched;
   float scale_log2;      // scale * log2(e), or softcap * log2(e) with softcap (see softmax.h)
   float scale_over_cap;  // scale / softcap (softcap only)
 };
 
-// Register budgets after setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536 per SM.
-constexpr int kProducerRegisters = 40;
-constexpr int kConsumerRegisters = 232;
+// Register budgets after setmaxnreg: 128 x 24 + 256 x 240 = 64512 <= 65536 per SM. The
+// producer only walks the schedule and issues copies; the consumers hold S, P and O (at D=128
+// with 176 keys: 88 + 44 + 64 registers).
+constexpr int kProducerRegisters = 24;
+constexpr int kConsumerRegisters = 240;
 // Hardware barrier ids of the pingpong hand-over (id 0 is __syncthreads).
 constexpr int kPingpongBarrier = 1;
 constexpr int kPingpongThreads = 256;
@@ -81,6 +129,8 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads = kPing
 
 struct SeqInfo {
   int q_start, k_start, seqlen_q, seqlen_k, tma_batch;
+
+  SeqInfo() = default;
 
   __device__ __forceinline__ SeqInfo(const FlashParams& p, int batch) {
     if (p.cu_seqlens_q != nullptr) {
@@ -161,6 +211,27 @@ __device__ __forceinline__ void warpgroup_gemm(Mma& mma, TA const& a, TB const& 
   warpgroup_fence_operand(c);
 }
 
+// The tile of unit u, part `part`, with its sequence and visible key blocks; false when the unit
+// has no such part or the tile holds no query row (varlen: a sequence shorter than the longest).
+// The producer and the consumers call it alike, so they skip the same tiles.
+template <class Traits>
+struct TileWork {
+  FwdSchedule::Tile t;
+  SeqInfo seq;
+  int n_min, n_max;
+
+  __device__ __forceinline__ TileWork(const FwdArgs& args, int u, int part, bool& valid) {
+    constexpr int M = Traits::kBlockM;
+    valid = args.sched.tile(u, part, t);
+    if (!valid) return;
+    seq = SeqInfo(args.p, t.batch);
+    valid = t.m_block * M < seq.seqlen_q;
+    if (!valid) return;
+    key_block_range<Traits>(args.p, t.m_block * M, min(t.m_block * M + M, seq.seqlen_q) - 1,
+                            seq.seqlen_q, seq.seqlen_k, n_min, n_max);
+  }
+};
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_constant__ FwdArgs args) {
 #if defined(FLASH_HOPPER_DEVICE_PASS)
@@ -169,16 +240,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   constexpr int M = Traits::kBlockM, N = Traits::kBlockN, D = Traits::kHeadDim, S = Traits::kStages;
   const FlashParams& p = args.p;
-
-  const int m_block = int(gridDim.x) - 1 - int(blockIdx.x);  // longest causal tiles first
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const SeqInfo seq(p, batch);
-  if (m_block * M >= seq.seqlen_q) return;  // varlen: this sequence is shorter than the grid
-  const int kv_head = head / (p.heads_q / p.heads_kv);
-  int n_min, n_max;
-  key_block_range<Traits>(p, m_block * M, min(m_block * M + M, seq.seqlen_q) - 1, seq.seqlen_q,
-                          seq.seqlen_k, n_min, n_max);
+  const int heads_per_kv = p.heads_q / p.heads_kv;
 
   extern __shared__ char smem_raw[];
   char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -186,8 +248,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   Element* smem_k = reinterpret_cast<Element*>(smem + Traits::kOffsetK);
   Element* smem_v = reinterpret_cast<Element*>(smem + Traits::kOffsetV);
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Traits::kOffsetBarriers);
-  uint64_t* bar_q = bars;
-  uint64_t* full_k = bars + 1;
+  uint64_t* full_q = bars;
+  uint64_t* empty_q = bars + 1;
+  uint64_t* full_k = bars + 2;
   uint64_t* full_v = full_k + S;
   uint64_t* empty_k = full_v + S;
   uint64_t* empty_v = empty_k + S;
@@ -197,7 +260,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   const int lane = threadIdx.x % 32;
 
   if (threadIdx.x == 0) {
-    Barrier::init(bar_q, 1);
+    Barrier::init(full_q, 1);
+    Barrier::init(empty_q, Traits::kConsumerThreads);
     CUTE_UNROLL
     for (int s = 0; s < S; ++s) {
       Barrier::init(&full_k[s], 1);
@@ -215,20 +279,33 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     prefetch_tma_descriptor(&args.tma_q);
     prefetch_tma_descriptor(&args.tma_k);
     prefetch_tma_descriptor(&args.tma_v);
-    Barrier::arrive_and_expect_tx(bar_q, Traits::kTileBytesQ);
-    load_tile<Traits>(&args.tma_q, bar_q, smem_q, M, seq.q_start + m_block * M, head, seq.tma_batch);
     PipelineState<Traits> st;
-    for (int n = n_max - 1; n >= n_min; --n) {
-      const int row = seq.k_start + n * N;
-      Barrier::wait(&empty_k[st.stage], st.phase ^ 1u);
-      Barrier::arrive_and_expect_tx(&full_k[st.stage], Traits::kTileBytesKV);
-      load_tile<Traits>(&args.tma_k, &full_k[st.stage], smem_k + st.stage * N * D, N, row, kv_head,
-                        seq.tma_batch);
-      Barrier::wait(&empty_v[st.stage], st.phase ^ 1u);
-      Barrier::arrive_and_expect_tx(&full_v[st.stage], Traits::kTileBytesKV);
-      load_tile<Traits>(&args.tma_v, &full_v[st.stage], smem_v + st.stage * N * D, N, row, kv_head,
-                        seq.tma_batch);
-      st.advance();
+    uint32_t tiles_done = 0;
+    for (int u = blockIdx.x; u < args.sched.units; u += gridDim.x) {
+      CUTE_NO_UNROLL
+      for (int part = 0; part < 2; ++part) {
+        bool valid;
+        const TileWork<Traits> w(args, u, part, valid);
+        if (!valid) continue;
+        const int kv_head = w.t.head / heads_per_kv;
+        Barrier::wait(empty_q, (tiles_done & 1u) ^ 1u);
+        Barrier::arrive_and_expect_tx(full_q, Traits::kTileBytesQ);
+        load_tile<Traits>(&args.tma_q, full_q, smem_q, M, w.seq.q_start + w.t.m_block * M,
+                          w.t.head, w.seq.tma_batch);
+        for (int n = w.n_max - 1; n >= w.n_min; --n) {
+          const int row = w.seq.k_start + n * N;
+          Barrier::wait(&empty_k[st.stage], st.phase ^ 1u);
+          Barrier::arrive_and_expect_tx(&full_k[st.stage], Traits::kTileBytesKV);
+          load_tile<Traits>(&args.tma_k, &full_k[st.stage], smem_k + st.stage * N * D, N, row,
+                            kv_head, w.seq.tma_batch);
+          Barrier::wait(&empty_v[st.stage], st.phase ^ 1u);
+          Barrier::arrive_and_expect_tx(&full_v[st.stage], Traits::kTileBytesKV);
+          load_tile<Traits>(&args.tma_v, &full_v[st.stage], smem_v + st.stage * N * D, N, row,
+                            kv_head, w.seq.tma_batch);
+          st.advance();
+        }
+        ++tiles_done;
+      }
     }
     return;
   }
@@ -251,110 +328,127 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, Int<N>>{});
   Tensor tOrO = partition_fragment_C(mma_o, Shape<_64, Int<D>>{});
   static_assert(decltype(size<0, 2>(tSrS))::value == N / 8, "accumulator layout ((2,2,N/8),1,1)");
-
-  const int row_lo = m_block * M + wg * Traits::kRowsPerWarpgroup;  // this warpgroup's rows
-  const int row0 = row_lo + 16 * warp + lane / 4;                    // this thread's first row
-  const int col_lane = 2 * (lane % 4);
-  const BandMask<Traits::kWindow> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left,
-                                       p.window_right};
-  const ScoreMod<Traits::kSoftcap> score_mod{args.scale_over_cap};
-  OnlineSoftmax softmax;
-  softmax.init();
-  clear(tOrO);
-  mma_o.accumulate_ = gmma::ScaleOut::One;
-
   Tensor tOrP = make_tensor<Element>(AOperandShape<N / 8>{});
   Tensor tOrP_words = recast<uint32_t>(tOrP);  // for compiler fences around the async read of P
-  float corr[2];
-  // Scores of key block n, already in tSrS: hooks, mask when the block needs it, softmax.
-  auto scores_to_probs = [&](int n) {
-    score_mod.apply(tSrS);
-    if (mask.needs_mask(row_lo, row_lo + Traits::kRowsPerWarpgroup - 1, n * N, n * N + N - 1)) {
-      mask.apply(tSrS, row0, n * N + col_lane);
-    }
-    softmax.update(tSrS, args.scale_log2, corr);
-  };
 
-  Barrier::wait(bar_q, 0);
+  const int col_lane = 2 * (lane % 4);
+  const ScoreMod<Traits::kSoftcap> score_mod{args.scale_over_cap};
   PipelineState<Traits> st_k;  // slot of the block whose scores are computed next
   PipelineState<Traits> st_v;  // slot of the block whose P V is added next
-  const int main_iters = max(n_max - n_min - 1, 0);  // [Note] Pingpong
-  if (wg == 1 && main_iters > 0) named_barrier_arrive(kPingpongBarrier + 0);
-  int n = n_max - 1;
-  if (n >= n_min) {
-    Barrier::wait(&full_k[st_k.stage], st_k.phase);
-    warpgroup_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, st_k.stage), tSrS);
-    Barrier::arrive(&empty_k[st_k.stage]);
-    scores_to_probs(n);
-    to_a_operand(tSrS, tOrP);
-    st_k.advance();
-    // [Note] Overlap inside a warpgroup: the scores of block n are issued before the P V of
-    // block n+1, and the softmax of block n runs while that P V is on the tensor cores. O is
-    // rescaled by block n's correction only after the P V has retired (it writes O).
-    for (int iter = 0; iter < main_iters; ++iter) {
-      --n;
-      Barrier::wait(&full_k[st_k.stage], st_k.phase);
-      named_barrier_sync(kPingpongBarrier + wg);  // our turn on the tensor cores
-      warpgroup_fence_operand(tSrS);
-      warpgroup_arrive();
-      mma_s.accumulate_ = gmma::ScaleOut::Zero;
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
-        cute::gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, st_k.stage), tSrS);
-        mma_s.accumulate_ = gmma::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      Barrier::wait(&full_v[st_v.stage], st_v.phase);
-      warpgroup_fence_operand(tOrO);
-      warpgroup_fence_operand(tOrP_words);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tOrP); ++kb) {
-        cute::gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, st_v.stage), tOrO);
-      }
-      warpgroup_commit_batch();
-      if (wg == 0 || iter + 1 < main_iters) named_barrier_arrive(kPingpongBarrier + 1 - wg);
-      warpgroup_wait<1>();  // scores of block n are in
-      warpgroup_fence_operand(tSrS);
-      Barrier::arrive(&empty_k[st_k.stage]);
-      scores_to_probs(n);
-      warpgroup_wait<0>();  // P V of block n+1 is in
-      warpgroup_fence_operand(tOrO);
-      warpgroup_fence_operand(tOrP_words);
-      Barrier::arrive(&empty_v[st_v.stage]);
-      OnlineSoftmax::rescale(tOrO, corr);
-      to_a_operand(tSrS, tOrP);
-      st_k.advance();
-      st_v.advance();
-    }
-    Barrier::wait(&full_v[st_v.stage], st_v.phase);
-    warpgroup_gemm<false>(mma_o, tOrP, tOrV(_, _, _, st_v.stage), tOrO);
-    Barrier::arrive(&empty_v[st_v.stage]);
-  }
+  uint32_t tiles_done = 0;
 
-  const float sink_log2 = p.s_aux != nullptr ? p.s_aux[head] * kLog2e : -INFINITY;
-  float lse[2];
-  softmax.finalize(tOrO, args.scale_log2, sink_log2, lse);
+  for (int u = blockIdx.x; u < args.sched.units; u += gridDim.x) {
+    CUTE_NO_UNROLL
+    for (int part = 0; part < 2; ++part) {
+      bool valid;
+      const TileWork<Traits> w(args, u, part, valid);
+      if (!valid) continue;
+      const SeqInfo& seq = w.seq;
+      const int row_lo = w.t.m_block * M + wg * Traits::kRowsPerWarpgroup;  // this warpgroup's rows
+      const int row0 = row_lo + 16 * warp + lane / 4;                        // this thread's first row
+      const BandMask<Traits::kWindow> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q,
+                                           p.window_left, p.window_right};
+      OnlineSoftmax softmax;
+      softmax.init();
+      clear(tOrO);
+      mma_o.accumulate_ = gmma::ScaleOut::One;
+      float corr[2];
+      // Scores of key block n, already in tSrS: hooks, mask when the block needs it, softmax.
+      auto scores_to_probs = [&](int n) {
+        score_mod.apply(tSrS);
+        if (mask.needs_mask(row_lo, row_lo + Traits::kRowsPerWarpgroup - 1, n * N, n * N + N - 1)) {
+          mask.apply(tSrS, row0, n * N + col_lane);
+        }
+        softmax.update(tSrS, args.scale_log2, corr);
+      };
 
-  Element* out = static_cast<Element*>(p.out) + int64_t(batch) * p.out_batch_stride +
-                 int64_t(head) * p.out_head_stride;
-  float* lse_out = p.lse + int64_t(batch) * p.lse_batch_stride + int64_t(head) * p.lse_head_stride;
-  CUTE_UNROLL
-  for (int c1 = 0; c1 < 2; ++c1) {
-    const int row = row0 + 8 * c1;
-    if (row >= seq.seqlen_q) continue;
-    Element* out_row = out + int64_t(seq.q_start + row) * p.out_row_stride;
-    CUTE_UNROLL
-    for (int g = 0; g < D / 8; ++g) {
-      const int col = 8 * g + col_lane;
-      if (col < p.head_dim) {
-        // col is even and head_dim a multiple of 8: the pair is in range together
-        __align__(4) Element pair[2] = {Element(tOrO(make_coord(0, c1, g), 0, 0)),
-                                        Element(tOrO(make_coord(1, c1, g), 0, 0))};
-        *reinterpret_cast<uint32_t*>(out_row + col) = *reinterpret_cast<uint32_t*>(pair);
+      Barrier::wait(full_q, tiles_done & 1u);
+      const int main_iters = max(w.n_max - w.n_min - 1, 0);  // [Note] Pingpong
+      if (wg == 1 && main_iters > 0) named_barrier_arrive(kPingpongBarrier + 0);
+      int n = w.n_max - 1;
+      if (n >= w.n_min) {
+        Barrier::wait(&full_k[st_k.stage], st_k.phase);
+        warpgroup_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, st_k.stage), tSrS);
+        Barrier::arrive(&empty_k[st_k.stage]);
+        if (main_iters == 0) Barrier::arrive(empty_q);  // the tile's last S GEMM has retired
+        scores_to_probs(n);
+        to_a_operand(tSrS, tOrP);
+        st_k.advance();
+        // [Note] Overlap inside a warpgroup: the scores of block n are issued before the P V of
+        // block n+1, and the softmax of block n runs while that P V is on the tensor cores. O is
+        // rescaled by block n's correction only after the P V has retired (it writes O).
+        for (int iter = 0; iter < main_iters; ++iter) {
+          --n;
+          Barrier::wait(&full_k[st_k.stage], st_k.phase);
+          named_barrier_sync(kPingpongBarrier + wg);  // our turn on the tensor cores
+          warpgroup_fence_operand(tSrS);
+          warpgroup_arrive();
+          mma_s.accumulate_ = gmma::ScaleOut::Zero;
+          CUTE_UNROLL
+          for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+            cute::gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, st_k.stage), tSrS);
+            mma_s.accumulate_ = gmma::ScaleOut::One;
+          }
+          warpgroup_commit_batch();
+          Barrier::wait(&full_v[st_v.stage], st_v.phase);
+          warpgroup_fence_operand(tOrO);
+          warpgroup_fence_operand(tOrP_words);
+          warpgroup_arrive();
+          CUTE_UNROLL
+          for (int kb = 0; kb < size<2>(tOrP); ++kb) {
+            cute::gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, st_v.stage), tOrO);
+          }
+          warpgroup_commit_batch();
+          if (wg == 0 || iter + 1 < main_iters) named_barrier_arrive(kPingpongBarrier + 1 - wg);
+          warpgroup_wait<1>();  // scores of block n are in
+          warpgroup_fence_operand(tSrS);
+          Barrier::arrive(&empty_k[st_k.stage]);
+          if (iter + 1 == main_iters) Barrier::arrive(empty_q);  // the tile's last S GEMM
+          scores_to_probs(n);
+          warpgroup_wait<0>();  // P V of block n+1 is in
+          warpgroup_fence_operand(tOrO);
+          warpgroup_fence_operand(tOrP_words);
+          Barrier::arrive(&empty_v[st_v.stage]);
+          OnlineSoftmax::rescale(tOrO, corr);
+          to_a_operand(tSrS, tOrP);
+          st_k.advance();
+          st_v.advance();
+        }
+        Barrier::wait(&full_v[st_v.stage], st_v.phase);
+        warpgroup_gemm<false>(mma_o, tOrP, tOrV(_, _, _, st_v.stage), tOrO);
+        Barrier::arrive(&empty_v[st_v.stage]);
+        st_v.advance();
+      } else {
+        Barrier::arrive(empty_q);  // no key block is visible: Q is not read
       }
+
+      const float sink_log2 = p.s_aux != nullptr ? p.s_aux[w.t.head] * kLog2e : -INFINITY;
+      float lse[2];
+      softmax.finalize(tOrO, args.scale_log2, sink_log2, lse);
+
+      Element* out = static_cast<Element*>(p.out) + int64_t(w.t.batch) * p.out_batch_stride +
+                     int64_t(w.t.head) * p.out_head_stride;
+      float* lse_out = p.lse + int64_t(w.t.batch) * p.lse_batch_stride +
+                       int64_t(w.t.head) * p.lse_head_stride;
+      CUTE_UNROLL
+      for (int c1 = 0; c1 < 2; ++c1) {
+        const int row = row0 + 8 * c1;
+        if (row >= seq.seqlen_q) continue;
+        Element* out_row = out + int64_t(seq.q_start + row) * p.out_row_stride;
+        CUTE_UNROLL
+        for (int g = 0; g < D / 8; ++g) {
+          const int col = 8 * g + col_lane;
+          if (col < p.head_dim) {
+            // col is even and head_dim a multiple of 8: the pair is in range together
+            __align__(4) Element pair[2] = {Element(tOrO(make_coord(0, c1, g), 0, 0)),
+                                            Element(tOrO(make_coord(1, c1, g), 0, 0))};
+            *reinterpret_cast<uint32_t*>(out_row + col) = *reinterpret_cast<uint32_t*>(pair);
+          }
+        }
+        if (lane % 4 == 0) lse_out[seq.q_start + row] = lse[c1];
+      }
+      ++tiles_done;
     }
-    if (lane % 4 == 0) lse_out[seq.q_start + row] = lse[c1];
   }
 #endif
 }

@@ -9,6 +9,8 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 
 #include "../flash_params.h"
@@ -106,10 +108,52 @@ void score_scales(const FlashParams& p, float& scale_log2, float& scale_over_cap
   scale_over_cap = kSoftcap ? p.scale / p.softcap : 0.f;
 }
 
+// Multiprocessors of the current device (queried once per device).
+inline int multiprocessor_count() {
+  constexpr int kMaxDevices = 64;
+  static int counts[kMaxDevices] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  if (device >= kMaxDevices) {
+    int n = 0;
+    return cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess ? n : 0;
+  }
+  if (counts[device] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) {
+      counts[device] = n;
+    }
+  }
+  return counts[device];
+}
+
+// The tile list and the grid of [Note] Persistent schedule (fwd_kernel.h); false when the
+// units overflow a 32-bit index.
+template <class Traits>
+bool make_schedule(const FlashParams& p, FwdSchedule& sched, int& grid) {
+  sched.num_m = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  sched.heads = p.heads_q;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  sched.paired = !varlen && p.window_right >= 0 && p.window_left < 0;
+  sched.units_per_hb = sched.paired ? (sched.num_m + 1) / 2 : sched.num_m;
+  const int64_t units = int64_t(sched.units_per_hb) * p.heads_q * p.batch;
+  if (units > INT32_MAX) return false;
+  sched.units = int(units);
+  const int sms = multiprocessor_count();
+  grid = varlen || sms <= 0 ? sched.units : int(std::min<int64_t>(units, sms));
+  return true;
+}
+
 template <class Traits>
 FwdStatus launch_fwd(const FlashParams& p, cudaStream_t stream, char* why, int why_len) {
   FwdArgs args;
   args.p = p;
+  int grid = 0;
+  if (!make_schedule<Traits>(p, args.sched, grid)) {
+    std::snprintf(why, why_len, "%d query blocks x %d heads x batch %d exceed 2^31 tiles",
+                  args.sched.num_m, p.heads_q, p.batch);
+    return FwdStatus::kUnsupportedShape;
+  }
   const TensorView4d q = row_view(p, true, p.q, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
   const TensorView4d k = row_view(p, false, p.k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
   const TensorView4d v = row_view(p, false, p.v, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
@@ -124,7 +168,6 @@ FwdStatus launch_fwd(const FlashParams& p, cudaStream_t stream, char* why, int w
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          Traits::kSmemBytes);
   if (err == cudaSuccess) {
-    const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
     kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
     err = cudaGetLastError();
   }
