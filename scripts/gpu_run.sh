@@ -113,10 +113,17 @@ for phase in "${phases[@]}"; do
       done
       ;;
     bench)
-      # BENCH_ARGS narrows the run, e.g. "--grid standard --seqlens 4k,16k --head-dims 128".
-      # shellcheck disable=SC2086
-      run_phase bench timeout "${BENCH_TIMEOUT:-1200}" python3 -m flash_attn_hub bench \
-        ${BENCH_ARGS:---grid standard} --kernel-dir build --out "$OUT/bench" --no-progress
+      # BENCH_ARGS narrows the run, e.g. "--grid standard --seqlens 4k,16k --head-dims 128";
+      # several commands separated by ";" run one after another (logs bench.log, bench-2.log, ...),
+      # each into its own run folder under $OUT/bench.
+      IFS=';' read -ra bench_sets <<< "${BENCH_ARGS:---grid standard}"
+      i=0
+      for args in "${bench_sets[@]}"; do
+        i=$((i + 1))
+        # shellcheck disable=SC2086
+        run_phase "bench$([[ $i -gt 1 ]] && echo "-$i")" timeout "${BENCH_TIMEOUT:-1200}" \
+          python3 -m flash_attn_hub bench $args --kernel-dir build --out "$OUT/bench" --no-progress
+      done
       ;;
     hub)
       # HUB_ARGS adds flags, e.g. "--no-transformers" when only the train phase needs the Hub.

@@ -415,6 +415,20 @@ def test_dispatch_auto_skips_unvalidated_cuda_backward(dispatch, monkeypatch):
 
 
 @pytest.mark.kernels_ci
+def test_dispatch_auto_follows_forward_preference(dispatch, monkeypatch):
+    """``auto`` runs a supported forward on Triton when ``_cuda.forward_prefers_triton`` says
+    why (decode); ``cuda`` still runs it on the compiled kernel."""
+    fake = _FakeCuda()
+    monkeypatch.setattr(dispatch, "_cuda", lambda: fake)
+    monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "auto")
+    assert _select(dispatch, "forward") == "_cuda"
+    fake.forward_prefers_triton = lambda q, k, params: "decode runs on the split-KV kernels"
+    assert _select(dispatch, "forward") == "_triton_fwd"
+    monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "cuda")
+    assert _select(dispatch, "forward") == "_cuda"
+
+
+@pytest.mark.kernels_ci
 def test_dispatch_without_compiled_backend(dispatch, monkeypatch):
     monkeypatch.setattr(dispatch, "_cuda", lambda: None)
     monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "auto")

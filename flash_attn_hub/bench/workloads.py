@@ -159,7 +159,7 @@ def _grid_small():
 
 def _grid_gqa():
     return [_square("gqa", s, 128, 32, c, hkv=hkv)
-            for hkv in (8, 1) for c in (False, True) for s in (1024, 4096, 16384)]
+            for hkv in (8, 1) for c in (False, True) for s in (1024, 4096, 8192, 16384)]
 
 
 def _packed(mix: str, seed: int, hq: int, hkv: int, d: int) -> Workload:

@@ -70,6 +70,30 @@ def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
+# [Note: decode on Triton] The sm90 forward runs one CTA per (128 query rows, query head): at
+# decode (one query row per sequence) each CTA holds one real row and walks every key alone.
+# The Triton split-KV decode (_triton_decode) packs the query heads of one kv head into one tile
+# and splits the keys across programs. While DECODE_ON_TRITON is True, ``auto`` sends the calls
+# that path takes (few query rows per kv head, at least _triton_decode.MIN_KEYS keys) to Triton.
+DECODE_ON_TRITON = False
+
+
+def forward_prefers_triton(q: torch.Tensor, k: torch.Tensor, params: AttnParams) -> str | None:
+    """Why ``auto`` should run this supported forward on Triton instead, or None
+    ([Note: decode on Triton])."""
+    if not DECODE_ON_TRITON:
+        return None
+    from . import _triton_decode
+    varlen = q.dim() == 3
+    rows = (params.max_seqlen_q if varlen else q.shape[1]) * (q.shape[-2] // k.shape[-2])
+    keys = params.max_seqlen_k if varlen else k.shape[1]
+    if not _triton_decode.split_applies(rows, keys, params.dropout_p):
+        return None
+    # no shape in the text: the dispatcher logs each distinct reason once
+    return ("few query rows per kv head over many keys run on the Triton split-KV decode, "
+            "which shares each kv head's keys across SMs")
+
+
 def backward_prefers_triton(q: torch.Tensor, k: torch.Tensor, params: AttnParams) -> str | None:
     """Why ``auto`` should run this supported backward on Triton instead, or None
     ([Note: small banded grids]); ``FLASH_ATTN_HUB_BACKEND=cuda`` still runs it here."""

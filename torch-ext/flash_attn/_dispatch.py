@@ -97,9 +97,8 @@ def _choose(requested: str, direction: str, q, k, params: AttnParams, features: 
                           f"{ENV_BACKEND}=cuda opts in")
     if cuda is not None and cuda.supports(q, k, params, backward=direction == "backward",
                                           **features):
-        prefers = getattr(cuda, "backward_prefers_triton", None)
-        why = prefers(q, k, params) if prefers and requested == "auto" and \
-            direction == "backward" else None
+        prefers = getattr(cuda, f"{direction}_prefers_triton", None)
+        why = prefers(q, k, params) if prefers and requested == "auto" else None
         if why:
             return "triton", f"{ENV_BACKEND}=auto; {why}"
         return "cuda", f"{ENV_BACKEND}={requested}, supported by the CUDA backend"

@@ -60,11 +60,15 @@ class DecodeTiles:
 def applies(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, params: AttnParams) -> bool:
     """Whether the split-KV path runs this (validated) forward: no dropout, few query rows per
     kv head (the longest sequence's, varlen) and enough keys to split."""
-    if params.dropout_p > 0:
-        return False
     shape = LaunchShape.of(q, k, cu_seqlens_q, params)
-    rows = shape.max_seqlen_q * (shape.heads_q // shape.heads_kv)
-    return 0 < rows <= MAX_PACKED_ROWS and shape.max_seqlen_k >= MIN_KEYS
+    return split_applies(shape.max_seqlen_q * (shape.heads_q // shape.heads_kv),
+                         shape.max_seqlen_k, params.dropout_p)
+
+
+def split_applies(packed_rows: int, max_seqlen_k: int, dropout_p: float) -> bool:
+    """:func:`applies` from the sizes: the query rows of one kv head (the longest sequence's)
+    and the longest key sequence."""
+    return dropout_p == 0 and 0 < packed_rows <= MAX_PACKED_ROWS and max_seqlen_k >= MIN_KEYS
 
 
 def tiles_for(head_dim: int, device: torch.device) -> DecodeTiles:
