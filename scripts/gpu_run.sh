@@ -76,10 +76,12 @@ for phase in "${phases[@]}"; do
       fi
       ;;
     sanitize)
+      # cuBLAS's Hopper GEMMs (kernel names nvjet_*), which the tests' reference runs, are left
+      # out: racecheck reports hazards inside them (seen 2026-12-04), and they are not ours.
       for tool in memcheck racecheck synccheck; do
         run_phase "sanitize-$tool" timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer \
-          --tool "$tool" --error-exitcode 1 python3 -m pytest -m "gpu and sanitize" -q \
-          -p no:cacheprovider tests
+          --tool "$tool" --kernel-name-exclude kns=nvjet --error-exitcode 1 \
+          python3 -m pytest -m "gpu and sanitize" -q -p no:cacheprovider tests
       done
       ;;
     test)
