@@ -164,17 +164,21 @@ def test_strided_layouts(cuda_backend, attn_params):
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (300, 0), (-1, 77)],
-                         ids=["full", "causal", "sliding", "right"])
+@pytest.mark.parametrize("window,sq,sk", [((-1, -1), 1100, 1301), ((-1, 0), 1100, 1301),
+                                          ((300, 0), 1100, 1301), ((-1, 77), 1100, 1301),
+                                          ((-1, 0), 1300, 300)],
+                         ids=["full", "causal", "sliding", "right", "causal-rows-without-keys"])
 @pytest.mark.parametrize("d", [64, 128, 192, 256])
-def test_many_tiles_per_cta(cuda_backend, attn_params, window, d):
+def test_many_tiles_per_cta(cuda_backend, attn_params, window, sq, sk, d):
     """More units than SMs, so each persistent CTA runs several tiles back to back (its Q, K/V
-    ring and pingpong carried from one tile to the next). 1100 queries are 9 query blocks: under
-    a triangle band (causal, right bound only) the units pair blocks 8+0, ..., 5+3 and leave
-    block 4 alone; Sk != Sq and Sk not a multiple of any key block."""
-    q, k, v = seeded_cuda_qkv(3, 1100, 1301, 16, 4, d, torch.bfloat16, seed=d + sum(window))
-    params = backend_params(attn_params, d, causal=window == (-1, 0), window=window, max_q=1100,
-                            max_k=1301)
+    ring, pingpong turns and a tile's last P V carried into the next tile). 1100 queries are 9
+    query blocks: under a triangle band (causal, right bound only) the units pair blocks 8+0,
+    ..., 5+3 and leave block 4 alone; Sk != Sq and Sk not a multiple of any key block. With
+    1300 queries over 300 keys, causal, the first 1000 rows see no key: tiles without a key
+    block sit between tiles with some."""
+    q, k, v = seeded_cuda_qkv(3, sq, sk, 16, 4, d, torch.bfloat16, seed=d + sum(window) + sk)
+    params = backend_params(attn_params, d, causal=window == (-1, 0), window=window, max_q=sq,
+                            max_k=sk)
     _check(cuda_backend, q, k, v, params)
 
 
@@ -183,11 +187,17 @@ def test_many_tiles_per_cta(cuda_backend, attn_params, window, d):
 @needs_sm90
 def test_small_persistent_tiles(cuda_backend, attn_params):
     """Several tiles per persistent CTA (batched, full and causal), sized for compute-sanitizer:
-    5 query blocks x 64 heads = 320 tiles, 192 causal units."""
+    5 query blocks x 64 heads = 320 tiles, 192 causal units. The references run on the CPU, so
+    only our kernel runs on the GPU under the sanitizer."""
     q, k, v = seeded_cuda_qkv(1, 520, 520, 64, 8, 64, torch.float16, seed=23)
     for causal in (False, True):
-        _check(cuda_backend, q, k, v, backend_params(attn_params, 64, causal=causal, max_q=520,
-                                                     max_k=520))
+        params = backend_params(attn_params, 64, causal=causal, max_q=520, max_k=520)
+        out, lse = _run(cuda_backend, q, k, v, params)
+        qc, kc, vc = q.cpu(), k.cpu(), v.cpu()
+        ref_out, ref_lse = attention_reference(qc, kc, vc, causal=causal)
+        low_out, low_lse = attention_reference(qc, kc, vc, causal=causal, dtype=q.dtype)
+        assert_close_to_reference("out", out.cpu(), ref_out, low_out)
+        assert_close_to_reference("lse", lse.cpu(), ref_lse, low_lse.float())
 
 
 @pytest.mark.gpu
