@@ -232,20 +232,22 @@ def test_small_all_features_once(cuda_backend, attn_params):
 
 
 def test_decode_preference(cuda_backend, attn_params, monkeypatch):
-    """[Note: decode on Triton]: with the switch on, a GQA decode over many keys (batched, and
-    varlen as generate calls it) is preferred on Triton; a prefill, a short key range and
-    dropout are not. No GPU needed: the rule reads shapes only."""
+    """[Note: decode on Triton]: a GQA decode over DECODE_MIN_KEYS keys or more (batched, and
+    varlen as generate calls it) is preferred on Triton; a prefill, fewer keys and dropout are
+    not, nor anything with the switch off. No GPU needed: the rule reads shapes only."""
     monkeypatch.setattr(cuda_backend, "DECODE_ON_TRITON", True)
+    keys = cuda_backend.DECODE_MIN_KEYS
     q = torch.empty(4, 1, 32, 128)
-    k = torch.empty(4, 4096, 8, 128)
-    decode = backend_params(attn_params, 128, causal=True, max_q=1, max_k=4096)
+    k = torch.empty(1, 1, 8, 128).expand(4, keys, 8, 128)  # shapes only
+    decode = backend_params(attn_params, 128, causal=True, max_q=1, max_k=keys)
     assert cuda_backend.forward_prefers_triton(q, k, decode)
-    qv, kv = torch.empty(4, 32, 128), torch.empty(4 * 4096, 8, 128)
+    qv, kv = torch.empty(4, 32, 128), torch.empty(1, 8, 128).expand(4 * keys, 8, 128)
     assert cuda_backend.forward_prefers_triton(qv, kv, decode)
-    prefill = backend_params(attn_params, 128, causal=True, max_q=4096, max_k=4096)
-    assert cuda_backend.forward_prefers_triton(torch.empty(4, 4096, 32, 128), k, prefill) is None
-    short = backend_params(attn_params, 128, causal=True, max_q=1, max_k=128)
-    assert cuda_backend.forward_prefers_triton(q, k[:, :128], short) is None
+    prefill = backend_params(attn_params, 128, causal=True, max_q=keys, max_k=keys)
+    assert cuda_backend.forward_prefers_triton(q[:1].expand(1, keys, 32, 128), k[:1],
+                                               prefill) is None
+    fewer = backend_params(attn_params, 128, causal=True, max_q=1, max_k=keys - 8)
+    assert cuda_backend.forward_prefers_triton(q, k[:, :keys - 8], fewer) is None
     dropout = dataclasses.replace(decode, dropout_p=0.1)
     assert cuda_backend.forward_prefers_triton(q, k, dropout) is None
     monkeypatch.setattr(cuda_backend, "DECODE_ON_TRITON", False)

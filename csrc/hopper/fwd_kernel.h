@@ -28,14 +28,11 @@
 // each arrives after its wgmma that read the slot has retired (warpgroup_wait<0>). The producer
 // waits empty with the opposite parity, so the first pass through the ring does not block.
 // The ring's stage and phase run on across tiles, so the next tile's K/V stream in as soon as
-// the last blocks of this one are read. Each consumer's 64 rows of Q have a full/empty pair of
-// their own (phase = parity of the CTA's tile count): they are loaded for every tile, even one
-// with no visible key block (the consumers always wait on them, then write zeros and
-// -inf/s_aux), and the consumer's threads release them right after its last S GEMM of the tile
-// has retired. The next tile's Q then lands while the consumers finish the tile's last softmax,
-// and consumer 0, which runs half a key block ahead, does not wait for consumer 1 to release.
-// The producer issues a tile's loads as Q rows of consumer 0, K of the first block, Q rows of
-// consumer 1, V of the first block, then K and V of the other blocks.
+// the last blocks of this one are read. Q has a full/empty pair of its own (phase = parity of
+// the CTA's tile count): it is loaded for every tile, even one with no visible key block (the
+// consumers always wait on it, then write zeros and -inf/s_aux), and each consumer thread
+// releases it right after its last S GEMM of the tile has retired, so the next tile's Q lands
+// while the consumers finish their last P V and store O.
 //
 // [Note] Persistent schedule
 // Batched calls launch one CTA per SM (fewer when there are fewer units); CTA c runs units c,
@@ -52,15 +49,12 @@
 //
 // [Note] Pingpong
 // Two named barriers (kPingpongBarrier + consumer index, 256 threads: the 128 that wait plus the
-// 128 of the other consumer that arrive) hand the tensor cores from one consumer to the other in
-// turns. A turn is one consumer's GEMM issue: per key block the S GEMM of block n with the P V of
-// block n+1, a tile's first S GEMM with the previous tile's last P V ([Note] Tile boundaries),
-// and the CTA's very first S GEMM and very last P V alone. A consumer waits for its turn,
-// issues, and gives the turn away; it runs its softmax (and the O store of a finished tile) while
-// the other one's GEMMs execute. Both consumers run the same tiles with the same turns, so the
-// turns alternate strictly over the CTA's whole life. Consumer 1 grants consumer 0's first turn
-// at the start; after consumer 1's last turn its final grant is absorbed by one more wait of
-// consumer 0, so each barrier sees as many syncs as arrivals and none is left pending at exit.
+// 128 of the other consumer that arrive) hand the tensor cores from one consumer to the other:
+// in each main-loop iteration a consumer waits for its turn, issues its S and P V GEMMs, then
+// gives the turn away and runs its softmax while the other one's GEMMs execute. Both consumers
+// of a CTA visit the same key blocks, so they run the same number of iterations L. Consumer 1
+// grants the first turn before the loop and withholds the grant of its last iteration, so each
+// barrier sees exactly L syncs and L arrivals and none is left pending at exit.
 #pragma once
 
 #include <cuda.h>
@@ -106,7 +100,7 @@ struct FwdSchedule {
 };
 
 struct FwdArgs {
-  CUtensorMap tma_q;  // (d, rows_q, Hq, B) boxes of (chunk, 64, 1, 1): one consumer's rows
+  CUtensorMap tma_q;  // (d, rows_q, Hq, B) boxes of (chunk, kBlockM, 1, 1)
   CUtensorMap tma_k;  // (d, rows_k, Hkv, B) boxes of (chunk, kBlockN, 1, 1)
   CUtensorMap tma_v;
   FlashParams p;
@@ -200,6 +194,23 @@ __device__ __forceinline__ void load_tile(const CUtensorMap* map, uint64_t* bar,
   }
 }
 
+// One warpgroup GEMM, issued and retired: c (+)= a * b over all K slices.
+template <bool kZeroInit, class Mma, class TA, class TB, class TC>
+__device__ __forceinline__ void warpgroup_gemm(Mma& mma, TA const& a, TB const& b, TC& c) {
+  using namespace cute;
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  mma.accumulate_ = kZeroInit ? gmma::ScaleOut::Zero : gmma::ScaleOut::One;
+  CUTE_UNROLL
+  for (int kb = 0; kb < size<2>(a); ++kb) {
+    cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
+    mma.accumulate_ = gmma::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(c);
+}
+
 // The tile of unit u, part `part`, with its sequence and visible key blocks; false when the unit
 // has no such part or the tile holds no query row (varlen: a sequence shorter than the longest).
 // The producer and the consumers call it alike, so they skip the same tiles.
@@ -237,9 +248,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   Element* smem_k = reinterpret_cast<Element*>(smem + Traits::kOffsetK);
   Element* smem_v = reinterpret_cast<Element*>(smem + Traits::kOffsetV);
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Traits::kOffsetBarriers);
-  uint64_t* full_q = bars;       // [2]: one per consumer's rows
-  uint64_t* empty_q = bars + 2;  // [2]
-  uint64_t* full_k = bars + 4;
+  uint64_t* full_q = bars;
+  uint64_t* empty_q = bars + 1;
+  uint64_t* full_k = bars + 2;
   uint64_t* full_v = full_k + S;
   uint64_t* empty_k = full_v + S;
   uint64_t* empty_v = empty_k + S;
@@ -249,11 +260,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   const int lane = threadIdx.x % 32;
 
   if (threadIdx.x == 0) {
-    CUTE_UNROLL
-    for (int h = 0; h < Traits::kConsumerWarpgroups; ++h) {
-      Barrier::init(&full_q[h], 1);
-      Barrier::init(&empty_q[h], 128);
-    }
+    Barrier::init(full_q, 1);
+    Barrier::init(empty_q, Traits::kConsumerThreads);
     CUTE_UNROLL
     for (int s = 0; s < S; ++s) {
       Barrier::init(&full_k[s], 1);
@@ -280,23 +288,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         const TileWork<Traits> w(args, u, part, valid);
         if (!valid) continue;
         const int kv_head = w.t.head / heads_per_kv;
-        const int q_row = w.seq.q_start + w.t.m_block * M;
-        // Q rows of consumer h: 64-row boxes into its slice of the (M x D) tile
-        auto load_q = [&](int h) {
-          Barrier::wait(&empty_q[h], (tiles_done & 1u) ^ 1u);
-          Barrier::arrive_and_expect_tx(&full_q[h], Traits::kTileBytesQ / 2);
-          load_tile<Traits>(&args.tma_q, &full_q[h], smem_q + h * 64 * Traits::kChunk, M,
-                            q_row + 64 * h, w.t.head, w.seq.tma_batch);
-        };
-        load_q(0);
-        if (w.n_max <= w.n_min) load_q(1);
+        Barrier::wait(empty_q, (tiles_done & 1u) ^ 1u);
+        Barrier::arrive_and_expect_tx(full_q, Traits::kTileBytesQ);
+        load_tile<Traits>(&args.tma_q, full_q, smem_q, M, w.seq.q_start + w.t.m_block * M,
+                          w.t.head, w.seq.tma_batch);
         for (int n = w.n_max - 1; n >= w.n_min; --n) {
           const int row = w.seq.k_start + n * N;
           Barrier::wait(&empty_k[st.stage], st.phase ^ 1u);
           Barrier::arrive_and_expect_tx(&full_k[st.stage], Traits::kTileBytesKV);
           load_tile<Traits>(&args.tma_k, &full_k[st.stage], smem_k + st.stage * N * D, N, row,
                             kv_head, w.seq.tma_batch);
-          if (n == w.n_max - 1) load_q(1);
           Barrier::wait(&empty_v[st.stage], st.phase ^ 1u);
           Barrier::arrive_and_expect_tx(&full_v[st.stage], Traits::kTileBytesKV);
           load_tile<Traits>(&args.tma_v, &full_v[st.stage], smem_v + st.stage * N * D, N, row,
@@ -329,86 +330,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   static_assert(decltype(size<0, 2>(tSrS))::value == N / 8, "accumulator layout ((2,2,N/8),1,1)");
   Tensor tOrP = make_tensor<Element>(AOperandShape<N / 8>{});
   Tensor tOrP_words = recast<uint32_t>(tOrP);  // for compiler fences around the async read of P
+
   const int col_lane = 2 * (lane % 4);
   const ScoreMod<Traits::kSoftcap> score_mod{args.scale_over_cap};
   PipelineState<Traits> st_k;  // slot of the block whose scores are computed next
   PipelineState<Traits> st_v;  // slot of the block whose P V is added next
-  OnlineSoftmax softmax;
-  float corr[2];
-  mma_o.accumulate_ = gmma::ScaleOut::One;
-
-  // S = Q K^T of the K slot st_k, and O += P V of the V slot st_v: issued and committed (one
-  // wgmma group each), not waited for.
-  auto issue_s = [&]() {
-    warpgroup_fence_operand(tSrS);
-    warpgroup_arrive();
-    mma_s.accumulate_ = gmma::ScaleOut::Zero;
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
-      cute::gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, st_k.stage), tSrS);
-      mma_s.accumulate_ = gmma::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-  };
-  auto issue_pv = [&]() {
-    warpgroup_fence_operand(tOrO);
-    warpgroup_fence_operand(tOrP_words);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tOrP); ++kb) {
-      cute::gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, st_v.stage), tOrO);
-    }
-    warpgroup_commit_batch();
-  };
-  // After the P V group has retired: its V slot is free.
-  auto pv_retired = [&]() {
-    warpgroup_fence_operand(tOrO);
-    warpgroup_fence_operand(tOrP_words);
-    Barrier::arrive(&empty_v[st_v.stage]);
-    st_v.advance();
-  };
-
-  // Where a finished tile's rows go: normalises O (softmax's state is that tile's) and stores
-  // it with the lse.
-  struct OutRows {
-    int row0, q_start, seqlen_q, head, batch;
-  };
-  auto store_out = [&](const OutRows& r) {
-    const float sink_log2 = p.s_aux != nullptr ? p.s_aux[r.head] * kLog2e : -INFINITY;
-    float lse[2];
-    softmax.finalize(tOrO, args.scale_log2, sink_log2, lse);
-    Element* out = static_cast<Element*>(p.out) + int64_t(r.batch) * p.out_batch_stride +
-                   int64_t(r.head) * p.out_head_stride;
-    float* lse_out = p.lse + int64_t(r.batch) * p.lse_batch_stride +
-                     int64_t(r.head) * p.lse_head_stride;
-    CUTE_UNROLL
-    for (int c1 = 0; c1 < 2; ++c1) {
-      const int row = r.row0 + 8 * c1;
-      if (row >= r.seqlen_q) continue;
-      Element* out_row = out + int64_t(r.q_start + row) * p.out_row_stride;
-      CUTE_UNROLL
-      for (int g = 0; g < D / 8; ++g) {
-        const int col = 8 * g + col_lane;
-        if (col < p.head_dim) {
-          // col is even and head_dim a multiple of 8: the pair is in range together
-          __align__(4) Element pair[2] = {Element(tOrO(make_coord(0, c1, g), 0, 0)),
-                                          Element(tOrO(make_coord(1, c1, g), 0, 0))};
-          *reinterpret_cast<uint32_t*>(out_row + col) = *reinterpret_cast<uint32_t*>(pair);
-        }
-      }
-      if (lane % 4 == 0) lse_out[r.q_start + row] = lse[c1];
-    }
-  };
-
-  // [Note] Tile boundaries: a tile's last P V is not issued at its end. It waits, with its P in
-  // tOrP and its O in tOrO, and joins the next tile's first S GEMM in one turn (P V first, so it
-  // retires first); O is normalised and stored while that S GEMM runs, then the softmax state
-  // and O start afresh. A tile boundary then costs the tensor cores no more than a key block
-  // does. `pending` says whether such a P V waits; `prev` is where its tile's rows go.
-  bool pending = false;
-  OutRows prev{};
   uint32_t tiles_done = 0;
-  if (wg == 1) named_barrier_arrive(kPingpongBarrier + 0);  // [Note] Pingpong: the first turn
 
   for (int u = blockIdx.x; u < args.sched.units; u += gridDim.x) {
     CUTE_NO_UNROLL
@@ -418,98 +345,111 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       if (!valid) continue;
       const SeqInfo& seq = w.seq;
       const int row_lo = w.t.m_block * M + wg * Traits::kRowsPerWarpgroup;  // this warpgroup's rows
-      const OutRows rows{row_lo + 16 * warp + lane / 4, seq.q_start, seq.seqlen_q, w.t.head,
-                         w.t.batch};  // row0: this thread's first row
+      const int row0 = row_lo + 16 * warp + lane / 4;                        // this thread's first row
       const BandMask<Traits::kWindow> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q,
                                            p.window_left, p.window_right};
+      OnlineSoftmax softmax;
+      softmax.init();
+      clear(tOrO);
+      mma_o.accumulate_ = gmma::ScaleOut::One;
+      float corr[2];
       // Scores of key block n, already in tSrS: hooks, mask when the block needs it, softmax.
       auto scores_to_probs = [&](int n) {
         score_mod.apply(tSrS);
         if (mask.needs_mask(row_lo, row_lo + Traits::kRowsPerWarpgroup - 1, n * N, n * N + N - 1)) {
-          mask.apply(tSrS, rows.row0, n * N + col_lane);
+          mask.apply(tSrS, row0, n * N + col_lane);
         }
         softmax.update(tSrS, args.scale_log2, corr);
       };
 
-      Barrier::wait(&full_q[wg], tiles_done & 1u);
-      ++tiles_done;
-      const int blocks = w.n_max - w.n_min;
-      if (blocks == 0) {  // no key block is visible: Q is not read, O is 0
-        if (pending) {
-          Barrier::wait(&full_v[st_v.stage], st_v.phase);
-          named_barrier_sync(kPingpongBarrier + wg);
-          issue_pv();
-          named_barrier_arrive(kPingpongBarrier + 1 - wg);
-          warpgroup_wait<0>();
-          pv_retired();
-          store_out(prev);
-          pending = false;
-        }
-        Barrier::arrive(&empty_q[wg]);
-        softmax.init();
-        clear(tOrO);
-        store_out(rows);
-        continue;
-      }
-      // [Note] Pingpong: every GEMM issue below is one turn.
+      Barrier::wait(full_q, tiles_done & 1u);
+      const int main_iters = max(w.n_max - w.n_min - 1, 0);  // [Note] Pingpong
+      if (wg == 1 && main_iters > 0) named_barrier_arrive(kPingpongBarrier + 0);
       int n = w.n_max - 1;
-      Barrier::wait(&full_k[st_k.stage], st_k.phase);
-      if (pending) Barrier::wait(&full_v[st_v.stage], st_v.phase);
-      named_barrier_sync(kPingpongBarrier + wg);
-      if (pending) issue_pv();
-      issue_s();
-      named_barrier_arrive(kPingpongBarrier + 1 - wg);
-      if (pending) {
-        warpgroup_wait<1>();  // the previous tile's last P V is in: store its O
-        pv_retired();
-        store_out(prev);
-        pending = false;
-      }
-      softmax.init();
-      clear(tOrO);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tSrS);
-      Barrier::arrive(&empty_k[st_k.stage]);
-      if (blocks == 1) Barrier::arrive(&empty_q[wg]);  // the tile's last S GEMM has retired
-      scores_to_probs(n);
-      to_a_operand(tSrS, tOrP);
-      st_k.advance();
-      // [Note] Overlap inside a warpgroup: the scores of block n are issued before the P V of
-      // block n+1, and the softmax of block n runs while that P V is on the tensor cores. O is
-      // rescaled by block n's correction only after the P V has retired (it writes O).
-      for (int iter = 0; iter + 1 < blocks; ++iter) {
-        --n;
+      if (n >= w.n_min) {
         Barrier::wait(&full_k[st_k.stage], st_k.phase);
-        named_barrier_sync(kPingpongBarrier + wg);
-        issue_s();
-        Barrier::wait(&full_v[st_v.stage], st_v.phase);
-        issue_pv();
-        named_barrier_arrive(kPingpongBarrier + 1 - wg);
-        warpgroup_wait<1>();  // scores of block n are in
-        warpgroup_fence_operand(tSrS);
+        warpgroup_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, st_k.stage), tSrS);
         Barrier::arrive(&empty_k[st_k.stage]);
-        if (iter + 2 == blocks) Barrier::arrive(&empty_q[wg]);  // the tile's last S GEMM
+        if (main_iters == 0) Barrier::arrive(empty_q);  // the tile's last S GEMM has retired
         scores_to_probs(n);
-        warpgroup_wait<0>();  // P V of block n+1 is in
-        pv_retired();
-        OnlineSoftmax::rescale(tOrO, corr);
         to_a_operand(tSrS, tOrP);
         st_k.advance();
+        // [Note] Overlap inside a warpgroup: the scores of block n are issued before the P V of
+        // block n+1, and the softmax of block n runs while that P V is on the tensor cores. O is
+        // rescaled by block n's correction only after the P V has retired (it writes O).
+        for (int iter = 0; iter < main_iters; ++iter) {
+          --n;
+          Barrier::wait(&full_k[st_k.stage], st_k.phase);
+          named_barrier_sync(kPingpongBarrier + wg);  // our turn on the tensor cores
+          warpgroup_fence_operand(tSrS);
+          warpgroup_arrive();
+          mma_s.accumulate_ = gmma::ScaleOut::Zero;
+          CUTE_UNROLL
+          for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+            cute::gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, st_k.stage), tSrS);
+            mma_s.accumulate_ = gmma::ScaleOut::One;
+          }
+          warpgroup_commit_batch();
+          Barrier::wait(&full_v[st_v.stage], st_v.phase);
+          warpgroup_fence_operand(tOrO);
+          warpgroup_fence_operand(tOrP_words);
+          warpgroup_arrive();
+          CUTE_UNROLL
+          for (int kb = 0; kb < size<2>(tOrP); ++kb) {
+            cute::gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, st_v.stage), tOrO);
+          }
+          warpgroup_commit_batch();
+          if (wg == 0 || iter + 1 < main_iters) named_barrier_arrive(kPingpongBarrier + 1 - wg);
+          warpgroup_wait<1>();  // scores of block n are in
+          warpgroup_fence_operand(tSrS);
+          Barrier::arrive(&empty_k[st_k.stage]);
+          if (iter + 1 == main_iters) Barrier::arrive(empty_q);  // the tile's last S GEMM
+          scores_to_probs(n);
+          warpgroup_wait<0>();  // P V of block n+1 is in
+          warpgroup_fence_operand(tOrO);
+          warpgroup_fence_operand(tOrP_words);
+          Barrier::arrive(&empty_v[st_v.stage]);
+          OnlineSoftmax::rescale(tOrO, corr);
+          to_a_operand(tSrS, tOrP);
+          st_k.advance();
+          st_v.advance();
+        }
+        Barrier::wait(&full_v[st_v.stage], st_v.phase);
+        warpgroup_gemm<false>(mma_o, tOrP, tOrV(_, _, _, st_v.stage), tOrO);
+        Barrier::arrive(&empty_v[st_v.stage]);
+        st_v.advance();
+      } else {
+        Barrier::arrive(empty_q);  // no key block is visible: Q is not read
       }
-      pending = true;  // [Note] Tile boundaries
-      prev = rows;
+
+      const float sink_log2 = p.s_aux != nullptr ? p.s_aux[w.t.head] * kLog2e : -INFINITY;
+      float lse[2];
+      softmax.finalize(tOrO, args.scale_log2, sink_log2, lse);
+
+      Element* out = static_cast<Element*>(p.out) + int64_t(w.t.batch) * p.out_batch_stride +
+                     int64_t(w.t.head) * p.out_head_stride;
+      float* lse_out = p.lse + int64_t(w.t.batch) * p.lse_batch_stride +
+                       int64_t(w.t.head) * p.lse_head_stride;
+      CUTE_UNROLL
+      for (int c1 = 0; c1 < 2; ++c1) {
+        const int row = row0 + 8 * c1;
+        if (row >= seq.seqlen_q) continue;
+        Element* out_row = out + int64_t(seq.q_start + row) * p.out_row_stride;
+        CUTE_UNROLL
+        for (int g = 0; g < D / 8; ++g) {
+          const int col = 8 * g + col_lane;
+          if (col < p.head_dim) {
+            // col is even and head_dim a multiple of 8: the pair is in range together
+            __align__(4) Element pair[2] = {Element(tOrO(make_coord(0, c1, g), 0, 0)),
+                                            Element(tOrO(make_coord(1, c1, g), 0, 0))};
+            *reinterpret_cast<uint32_t*>(out_row + col) = *reinterpret_cast<uint32_t*>(pair);
+          }
+        }
+        if (lane % 4 == 0) lse_out[seq.q_start + row] = lse[c1];
+      }
+      ++tiles_done;
     }
   }
-  if (pending) {
-    Barrier::wait(&full_v[st_v.stage], st_v.phase);
-    named_barrier_sync(kPingpongBarrier + wg);
-    issue_pv();
-    named_barrier_arrive(kPingpongBarrier + 1 - wg);
-    warpgroup_wait<0>();
-    pv_retired();
-    store_out(prev);
-  }
-  if (wg == 0) named_barrier_sync(kPingpongBarrier + 0);  // consumer 1's last grant
 #endif
 }
 

@@ -157,8 +157,7 @@ FwdStatus launch_fwd(const FlashParams& p, cudaStream_t stream, char* why, int w
   const TensorView4d q = row_view(p, true, p.q, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
   const TensorView4d k = row_view(p, false, p.k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
   const TensorView4d v = row_view(p, false, p.v, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
-  // Q in boxes of one consumer's rows (fwd_kernel.h [Note] Barrier protocol)
-  if (!make_tensor_map<Traits>(&args.tma_q, q, Traits::kRowsPerWarpgroup, "q", why, why_len) ||
+  if (!make_tensor_map<Traits>(&args.tma_q, q, Traits::kBlockM, "q", why, why_len) ||
       !make_tensor_map<Traits>(&args.tma_k, k, Traits::kBlockN, "k", why, why_len) ||
       !make_tensor_map<Traits>(&args.tma_v, v, Traits::kBlockN, "v", why, why_len)) {
     return FwdStatus::kMisaligned;

@@ -109,7 +109,7 @@ struct FwdTraits {
   static constexpr int kOffsetK = kTileBytesQ;
   static constexpr int kOffsetV = kOffsetK + kStages * kTileBytesKV;
   static constexpr int kOffsetBarriers = kOffsetV + kStages * kTileBytesKV;
-  static constexpr int kNumBarriers = 4 + 4 * kStages;  // Q full/empty per consumer, K/V full/empty
+  static constexpr int kNumBarriers = 2 + 4 * kStages;  // Q full/empty, K/V full/empty
   static constexpr int kSmemBytes = kOffsetBarriers + 8 * kNumBarriers + 1024;
   static_assert(kTileBytesQ % 1024 == 0 && kTileBytesKV % 1024 == 0, "tiles keep 1024-byte alignment");
   static_assert(kSmemBytes <= 227 * 1024, "fits the sm90 per-block shared-memory limit");

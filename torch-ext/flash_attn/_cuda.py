@@ -73,9 +73,17 @@ def _is_sm90(device_index: int) -> bool:
 # [Note: decode on Triton] The sm90 forward runs one CTA per (128 query rows, query head): at
 # decode (one query row per sequence) each CTA holds one real row and walks every key alone.
 # The Triton split-KV decode (_triton_decode) packs the query heads of one kv head into one tile
-# and splits the keys across programs. While DECODE_ON_TRITON is True, ``auto`` sends the calls
-# that path takes (few query rows per kv head, at least _triton_decode.MIN_KEYS keys) to Triton.
-DECODE_ON_TRITON = False
+# and splits the keys across programs. Measured on the H200 (GQA 32/8, B=4, D=128, bf16,
+# 2026-12-04), device time from CUDA-graph replays / one eager call's time:
+#   keys   4k: Triton  35 / 221 us, CUDA  82 /  96 us
+#   keys  16k: Triton  89 / 224 us, CUDA 305 / 305 us
+#   keys  64k: Triton 288 / 290 us, CUDA 1184 / 1191 us
+# (SDPA's cuDNN backend: 32 / 79 / 257 us eager.) The split kernels are 2.3-4x faster on the
+# device, but an eager call pays ~200 us of host time on the Triton path (two Triton launches
+# and their set-up) against ~105 us on the CUDA path, so below DECODE_MIN_KEYS an eager decode
+# is faster on CUDA. ``auto`` sends decodes from DECODE_MIN_KEYS keys on to Triton.
+DECODE_ON_TRITON = True
+DECODE_MIN_KEYS = 16384
 
 
 def forward_prefers_triton(q: torch.Tensor, k: torch.Tensor, params: AttnParams) -> str | None:
@@ -87,11 +95,11 @@ def forward_prefers_triton(q: torch.Tensor, k: torch.Tensor, params: AttnParams)
     varlen = q.dim() == 3
     rows = (params.max_seqlen_q if varlen else q.shape[1]) * (q.shape[-2] // k.shape[-2])
     keys = params.max_seqlen_k if varlen else k.shape[1]
-    if not _triton_decode.split_applies(rows, keys, params.dropout_p):
+    if keys < DECODE_MIN_KEYS or not _triton_decode.split_applies(rows, keys, params.dropout_p):
         return None
     # no shape in the text: the dispatcher logs each distinct reason once
-    return ("few query rows per kv head over many keys run on the Triton split-KV decode, "
-            "which shares each kv head's keys across SMs")
+    return (f"few query rows per kv head over at least {DECODE_MIN_KEYS} keys run on the Triton "
+            f"split-KV decode, which shares each kv head's keys across SMs")
 
 
 def backward_prefers_triton(q: torch.Tensor, k: torch.Tensor, params: AttnParams) -> str | None:
