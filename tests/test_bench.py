@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import tarfile
 import types
@@ -91,6 +92,19 @@ def test_grids_cover_the_issue_workloads():
     picked = grid_workloads("gqa,window", seqlens=[16384], head_dims=[128], match="h32-8")
     assert [w.name for w in picked] == ["gqa-d128-h32-8-b1-s16384-full", "gqa-d128-h32-8-b1-s16384-causal",
                                         "window-d128-h32-8-b1-s16384-causal-w4095.0"]
+
+
+@pytest.mark.kernels_ci
+def test_ours_providers_force_their_backend():
+    """ours-cuda / ours-triton force the dispatch; ours-auto sets it to auto (the package's own
+    choice); an unknown ours-* name is refused."""
+    providers = make_providers(["ours-cuda", "ours-triton", "ours-auto"], None)
+    assert [p.name for p in providers] == ["ours-cuda", "ours-triton", "ours-auto"]
+    for provider in providers:
+        with provider.context():
+            assert os.environ["FLASH_ATTN_HUB_BACKEND"] == provider.name.removeprefix("ours-")
+    with pytest.raises(ValueError, match="unknown provider"):
+        make_providers(["ours-fastest"], None)
 
 
 @pytest.mark.kernels_ci

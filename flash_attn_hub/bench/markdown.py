@@ -26,7 +26,8 @@ NOTES = """\
   compiled with AOTAutograd's buffer donation off, which that needs); "fwd" runs without
   autograd (inference: no tensors saved for a backward).
 - **Ours**: `ours-triton` / `ours-cuda` force `FLASH_ATTN_HUB_BACKEND`; `ours-cuda` is the
-  compiled Hopper forward, and its backward (not implemented in CUDA) runs on Triton.
+  compiled Hopper kernels (a backward they do not cover runs on Triton); `ours-auto` is the
+  package's own choice per call, what users get.
 - **Ratio**: our TFLOP/s over the best peer's in the same process, workload and mode (ours are
   never peers); the per-workload tables also give our ratio to every other provider. A run
   measured in several commands is merged per (workload, mode): a group comes whole from one

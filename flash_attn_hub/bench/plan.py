@@ -23,6 +23,7 @@ from .workloads import Workload, attention_flops
 TFLOPS = {
     "ours-triton": (450.0, 350.0),
     "ours-cuda": (450.0, 350.0),
+    "ours-auto": (450.0, 350.0),
     "sdpa-flash": (320.0, 290.0),
     "sdpa-cudnn": (570.0, 480.0),
     "sdpa-efficient": (160.0, 120.0),
@@ -41,6 +42,7 @@ COMPILE_S = {  # per workload: FlexAttention compiles a graph per (shape, grad m
     "flex": {"fwd": 2.0, "grad": 5.4},
     "ours-triton": {"fwd": 0.5, "grad": 1.0},
     "ours-cuda": {"fwd": 0.5, "grad": 1.0},
+    "ours-auto": {"fwd": 0.5, "grad": 1.0},
 }
 
 
