@@ -45,7 +45,9 @@
 // Without a band every block costs the same and a unit is one block. Varlen batches, whose
 // tiles differ by their documents' lengths, launch one CTA per tile in the same order and let
 // the hardware balance them, as before the schedule existed. The producer and the consumers walk
-// the same list and skip the same empty tiles, so no tile index passes between them.
+// the same list and skip the same empty tiles, so no tile index passes between them. The two
+// walks are written out twice on purpose: a shared walker taking the consumer's loop body as a
+// lambda put its accumulators on the stack (ptxas: 1184-byte frame at D=128 softcap).
 //
 // [Note] Pingpong
 // Two named barriers (kPingpongBarrier + consumer index, 256 threads: the 128 that wait plus the
