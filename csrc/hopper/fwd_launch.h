@@ -108,23 +108,16 @@ void score_scales(const FlashParams& p, float& scale_log2, float& scale_over_cap
   scale_over_cap = kSoftcap ? p.scale / p.softcap : 0.f;
 }
 
-// Multiprocessors of the current device (queried once per device).
+// Multiprocessors of the current device; 0 when the runtime cannot say (the grid then covers
+// every unit). The runtime answers from its cached device properties.
 inline int multiprocessor_count() {
-  constexpr int kMaxDevices = 64;
-  static int counts[kMaxDevices] = {};
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  if (device >= kMaxDevices) {
-    int n = 0;
-    return cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess ? n : 0;
+  int n = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return 0;
   }
-  if (counts[device] == 0) {
-    int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) {
-      counts[device] = n;
-    }
-  }
-  return counts[device];
+  return n;
 }
 
 // The tile list and the grid of [Note] Persistent schedule (fwd_kernel.h); false when the

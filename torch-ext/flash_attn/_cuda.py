@@ -89,13 +89,13 @@ DECODE_MIN_KEYS = 16384
 def forward_prefers_triton(q: torch.Tensor, k: torch.Tensor, params: AttnParams) -> str | None:
     """Why ``auto`` should run this supported forward on Triton instead, or None
     ([Note: decode on Triton])."""
-    if not DECODE_ON_TRITON:
-        return None
-    from . import _triton_decode
     varlen = q.dim() == 3
-    rows = (params.max_seqlen_q if varlen else q.shape[1]) * (q.shape[-2] // k.shape[-2])
     keys = params.max_seqlen_k if varlen else k.shape[1]
-    if keys < DECODE_MIN_KEYS or not _triton_decode.split_applies(rows, keys, params.dropout_p):
+    if not DECODE_ON_TRITON or keys < DECODE_MIN_KEYS:
+        return None  # every prefill shorter than DECODE_MIN_KEYS leaves here
+    from . import _triton_decode
+    rows = (params.max_seqlen_q if varlen else q.shape[1]) * (q.shape[-2] // k.shape[-2])
+    if not _triton_decode.split_applies(rows, keys, params.dropout_p):
         return None
     # no shape in the text: the dispatcher logs each distinct reason once
     return (f"few query rows per kv head over at least {DECODE_MIN_KEYS} keys run on the Triton "
