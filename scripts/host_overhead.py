@@ -1,0 +1,150 @@
+"""GPU ONLY: host time of one eager attention call, ours against SDPA, and where ours goes.
+
+A call's host time bounds short calls: when the GPU finishes a kernel before the host has issued
+the next one, the host is the bottleneck. Tiny shapes (B=1, S=128) make the device time
+negligible, so ``calls / wall time`` is the host's rate. Per provider it prints:
+
+* eager: wall time per call over many back-to-back calls (host-bound at this size);
+* graph: per-call time of the same call replayed from a CUDA graph (device time plus replay);
+* for ours, a cProfile of the forward path sorted by own time, so the Python layer's share is
+  named function by function.
+
+    python3 scripts/host_overhead.py --kernel-dir build [--out host.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def per_call_us(fn, calls: int) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def graph_us(fn, calls: int) -> float | None:
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as err:  # a provider that cannot be captured reports no graph time
+        print(f"  (no graph: {type(err).__name__}: {str(err)[:120]})")
+        return None
+    return per_call_us(graph.replay, calls)
+
+
+def profile_text(fn, calls: int, lines: int) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(lines)
+    return buf.getvalue()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel-dir", type=Path, default=ROOT / "build")
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--seqlen", type=int, default=128)
+    parser.add_argument("--seqlen-k", type=int, default=None)
+    parser.add_argument("--heads", default="32/8")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--profile-lines", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("host_overhead.py needs a CUDA GPU")
+        return 2
+    import kernels
+    fa = kernels.get_local_kernel(args.kernel_dir.resolve().parent)
+
+    hq, hkv = (int(x) for x in args.heads.split("/"))
+    sq, sk, d = args.seqlen, args.seqlen_k or args.seqlen, args.head_dim
+    q = torch.randn(1, sq, hq, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, sk, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    qtg, ktg, vtg = (t.detach().clone().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    dout = torch.randn_like(q)
+
+    def ours(backend):
+        def call():
+            os.environ["FLASH_ATTN_HUB_BACKEND"] = backend
+            return fa.flash_attn_func(q, k, v, causal=True)
+        return call
+
+    def ours_train(backend):
+        def call():
+            os.environ["FLASH_ATTN_HUB_BACKEND"] = backend
+            out = fa.flash_attn_func(qg, kg, vg, causal=True)
+            return torch.autograd.grad(out, (qg, kg, vg), dout)
+        return call
+
+    def sdpa(backend, train=False):
+        def call():
+            with sdpa_kernel(backend):
+                if not train:
+                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=sq == sk,
+                                                          enable_gqa=hq != hkv)
+                out = F.scaled_dot_product_attention(qtg, ktg, vtg, is_causal=sq == sk,
+                                                     enable_gqa=hq != hkv)
+                return torch.autograd.grad(out, (qtg, ktg, vtg), dout.transpose(1, 2))
+        return call
+
+    providers = {
+        "ours-auto fwd": ours("auto"), "ours-cuda fwd": ours("cuda"),
+        "ours-triton fwd": ours("triton"),
+        "sdpa-cudnn fwd": sdpa(SDPBackend.CUDNN_ATTENTION),
+        "sdpa-flash fwd": sdpa(SDPBackend.FLASH_ATTENTION),
+        "ours-auto fwd+bwd": ours_train("auto"), "ours-cuda fwd+bwd": ours_train("cuda"),
+        "sdpa-cudnn fwd+bwd": sdpa(SDPBackend.CUDNN_ATTENTION, train=True),
+    }
+    shape = f"B=1 Sq={sq} Sk={sk} H={hq}/{hkv} D={d} bf16 causal"
+    print(f"host time per call, {shape}, {args.calls} calls ({torch.cuda.get_device_name()})")
+    results = {"shape": shape, "gpu": torch.cuda.get_device_name(), "rows": []}
+    for name, fn in providers.items():
+        eager = per_call_us(fn, args.calls)
+        graph = graph_us(fn, args.calls) if "bwd" not in name else None
+        graph_text = f"{graph:8.1f}" if graph is not None else "       -"
+        print(f"  {name:20s} eager {eager:8.1f} us   graph {graph_text} us")
+        results["rows"].append({"provider": name, "eager_us": eager, "graph_us": graph})
+    for name in ("ours-cuda fwd", "ours-triton fwd", "ours-cuda fwd+bwd"):
+        text = profile_text(providers[name], 500, args.profile_lines)
+        print(f"\ncProfile of 500 calls, {name}:\n{text}")
+        results[f"profile {name}"] = text
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
