@@ -183,3 +183,60 @@ def test_compiled_varlen_follows_0d_max_seqlen(flash_attn, monkeypatch):
         out = compiled(q, k, v, cq, ck, torch.tensor(mq), torch.tensor(mk))
         assert torch.equal(out, attend(q, k, v, cq, ck, mq, mk))
     assert seen[0::2] == [(4, 5), (6, 5)]
+
+
+class _Recording(torch.utils._python_dispatch.TorchDispatchMode):
+    """Names of the ops dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _api_call(flash_attn, q, k, v, s_aux):
+    out, lse, _ = flash_attn.flash_attn_func(q, k, v, causal=True, softcap=3.0, s_aux=s_aux,
+                                             return_attn_probs=True)
+    grads = torch.autograd.grad((out.float().square().sum(),), (q, k, v, s_aux))
+    return (out, lse, *grads)
+
+
+@pytest.mark.kernels_ci
+def test_direct_eager_call_matches_the_op(flash_attn, ops, monkeypatch):
+    """[Note: direct eager calls]: a plain call skips the ops and returns bitwise what the op
+    route returns, gradients included; under a dispatch mode the ops are what the mode sees."""
+    torch.manual_seed(0)
+    q, k, v = make_qkv(2, 9, 12, 4, 2, 32, transposed=True, requires_grad=True)
+    s_aux = torch.randn(4, requires_grad=True)
+    with _Recording() as mode:
+        routed = _api_call(flash_attn, q, k, v, s_aux)
+    namespace = ops.fwd._qualname.split("::")[0]
+    assert {f"{namespace}.fwd.default", f"{namespace}.bwd.default"} <= set(mode.names)
+
+    def unused(*args, **kwargs):
+        raise AssertionError("a plain eager call went through the custom op")
+
+    monkeypatch.setattr(ops, "fwd", unused)
+    monkeypatch.setattr(ops, "bwd", unused)
+    direct = _api_call(flash_attn, q, k, v, s_aux)
+    with torch.no_grad():
+        out = flash_attn.flash_attn_func(q, k, v, causal=True, softcap=3.0, s_aux=s_aux)
+    for a, b in zip(direct, routed):
+        assert torch.equal(a, b)
+    assert torch.equal(out, routed[0])
+
+
+@pytest.mark.kernels_ci
+def test_direct_path_declines_subclasses_and_transforms(ops):
+    plain = torch.zeros(2)
+    assert ops._direct((plain, None))
+    assert not ops._direct((torch.nn.Parameter(torch.zeros(2)), None))
+    with _Recording():
+        assert not ops._direct((plain,))
+    with torch.overrides.TorchFunctionMode():
+        assert not ops._direct((plain,))
+    assert torch.func.vmap(lambda x: torch.tensor(ops._direct((x,))).expand(x.shape))(
+        torch.zeros(3, 2)).logical_not().all()
