@@ -614,6 +614,9 @@ GPU_CASES = {
                               head_dim=96, softcap=30.0, alibi="head", causal=True),
     "d128_dropout_transposed": dict(batch=2, seqlen_q=513, seqlen_k=513, heads_q=8, heads_kv=8,
                                     head_dim=128, dropout_p=0.1, seed=42, layout="transposed"),
+    # the longest sequence-length bucket of the tuning file (its own tiles on a tuned GPU)
+    "d128_s4500_gqa": dict(batch=1, seqlen_q=4500, seqlen_k=4500, heads_q=8, heads_kv=2,
+                           head_dim=128),
 }
 
 
@@ -628,12 +631,13 @@ def test_gpu_realistic(fwd, attn_params, dtype, name):
 
 
 @pytest.mark.gpu
-def test_gpu_varlen_bf16(fwd, attn_params):
+@pytest.mark.parametrize("lens_q,lens_k", [([1, 700, 0, 333, 1024], [900, 700, 5, 1000, 1024]),
+                                           ([1, 2100, 0, 333], [900, 2100, 5, 1000])],
+                         ids=["max1024", "max2100"])  # two sequence-length buckets
+def test_gpu_varlen_bf16(fwd, attn_params, lens_q, lens_k):
     if not torch.cuda.is_available() or interpreted(fwd._attn_fwd_kernel):
         pytest.skip("needs a CUDA GPU and the compiled (not interpreted) kernel")
     torch.manual_seed(6)
-    lens_q = [1, 700, 0, 333, 1024]
-    lens_k = [900, 700, 5, 1000, 1024]
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv(lens_q, lens_k, 16, 4, 128,
                                                         dtype=torch.bfloat16, device="cuda")
     params = make_params(attn_params, head_dim=128, causal=True, max_seqlen_q=max_q,
