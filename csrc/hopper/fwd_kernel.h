@@ -17,10 +17,11 @@
 // Key blocks are visited from the last visible one down to the first, so the partial blocks at
 // the sequence end (and the diagonal) come first; each block is masked only when its rectangle
 // touches an invisible element (BandMask::needs_mask), so interior blocks pay nothing.
-// Inside a consumer the S GEMM of block n and the P V GEMM of block n+1 are in flight together
-// and the softmax of block n overlaps the latter (see the [Note] in the loop). Across the two
-// consumers, the GEMMs of one warpgroup are issued while the other runs its softmax
-// ([Note] Pingpong).
+// A consumer runs one loop over the CTA's steps, the (tile, key block) pairs of all its tiles
+// ([Note] Step loop): the S GEMM of one step and the P V GEMM of the step before are in flight
+// together, across tile boundaries too, and the softmax of the former overlaps the latter.
+// Across the two consumers, the GEMMs of one warpgroup are issued while the other runs its
+// softmax ([Note] Pingpong).
 //
 // [Note] Barrier protocol
 // full_k[s]/full_v[s]: init count 1; the producer arrives once with the expected byte count and
@@ -29,10 +30,14 @@
 // waits empty with the opposite parity, so the first pass through the ring does not block.
 // The ring's stage and phase run on across tiles, so the next tile's K/V stream in as soon as
 // the last blocks of this one are read. Q has a full/empty pair of its own (phase = parity of
-// the CTA's tile count): it is loaded for every tile, even one with no visible key block (the
-// consumers always wait on it, then write zeros and -inf/s_aux), and each consumer thread
-// releases it right after its last S GEMM of the tile has retired, so the next tile's Q lands
-// while the consumers finish their last P V and store O.
+// the tiles the CTA has started): it is loaded for every tile, even one with no visible key
+// block (the consumers wait on it when their walk reaches the tile, release it unread, write
+// zeros and -inf/s_aux, and move on). A consumer waits full_q before the tile's first S GEMM
+// (the peeled one, or the loop iteration whose step starts the tile) and each consumer thread
+// arrives on empty_q right after the tile's last S GEMM has retired (the warpgroup_wait<1> of
+// the step of its last block; for a one-block tile, the step that starts it). The next tile's Q
+// then lands while the last S GEMM's softmax runs; it is needed one iteration later, when the
+// next tile's first S GEMM is issued together with this tile's last P V.
 //
 // [Note] Persistent schedule
 // Batched calls launch one CTA per SM (fewer when there are fewer units); CTA c runs units c,
@@ -45,18 +50,34 @@
 // Without a band every block costs the same and a unit is one block. Varlen batches, whose
 // tiles differ by their documents' lengths, launch one CTA per tile in the same order and let
 // the hardware balance them, as before the schedule existed. The producer and the consumers walk
-// the same list and skip the same empty tiles, so no tile index passes between them. The two
-// walks are written out twice on purpose: a shared walker taking the consumer's loop body as a
-// lambda put its accumulators on the stack (ptxas: 1184-byte frame at D=128 softcap).
+// the same list and skip the same invalid tiles, so no tile index passes between them. The
+// producer walks it with two nested loops, the consumers with a TileCursor advanced from inside
+// their step loop; keep the two in the same order. Never hand the consumers' loop body (which
+// holds the GEMMs) to a shared walker as a lambda: that put its accumulators on the stack
+// (ptxas: 1184-byte frame at D=128 softcap).
 //
 // [Note] Pingpong
 // Two named barriers (kPingpongBarrier + consumer index, 256 threads: the 128 that wait plus the
 // 128 of the other consumer that arrive) hand the tensor cores from one consumer to the other:
-// in each main-loop iteration a consumer waits for its turn, issues its S and P V GEMMs, then
-// gives the turn away and runs its softmax while the other one's GEMMs execute. Both consumers
-// of a CTA visit the same key blocks, so they run the same number of iterations L. Consumer 1
-// grants the first turn before the loop and withholds the grant of its last iteration, so each
-// barrier sees exactly L syncs and L arrivals and none is left pending at exit.
+// in each step-loop iteration a consumer waits for its turn, issues its S and P V GEMMs, then
+// gives the turn away and runs its softmax (and, at a tile boundary, stores the old tile's O)
+// while the other one's GEMMs execute. The turns run on across tiles. Both consumers walk the
+// same tiles with the same key-block ranges, so both have the same step count L, counted before
+// the loop, and run L-1 iterations; the peeled first S GEMM and last P V take no turn. Consumer 1
+// grants the first turn (arrive on barrier 0) before its first S GEMM when L > 1 and withholds
+// the grant of its last iteration; consumer 0 grants in every iteration. Barrier 0: L-1 syncs
+// (consumer 0), 1 + (L-2) arrivals (consumer 1); barrier 1: L-1 syncs (consumer 1), L-1 arrivals
+// (consumer 0); with L <= 1 neither is used, and none is left pending at exit. A consumer never
+// arrives twice on one barrier before the other has synced on it: between its grants it syncs
+// on its own barrier, which the other opens only after its own sync.
+//
+// [Note] Q descriptors
+// The S GEMM reads Q through one wgmma descriptor per 16-column slice, each the base descriptor
+// plus a constant. Q sits in one place for the whole kernel, so the compiler computes all of
+// them once before the step loop and keeps them live (2 registers each, 32 at D=256); ptxas then
+// spilled them and reloaded them from local memory in every iteration (fp16 D=256: 15 LDL.64 per
+// step). The loop passes the base through an empty asm, so the slices are added per use like
+// K's (whose stage is a run-time index).
 #pragma once
 
 #include <cuda.h>
@@ -222,6 +243,8 @@ struct TileWork {
   SeqInfo seq;
   int n_min, n_max;
 
+  TileWork() = default;
+
   __device__ __forceinline__ TileWork(const FwdArgs& args, int u, int part, bool& valid) {
     constexpr int M = Traits::kBlockM;
     valid = args.sched.tile(u, part, t);
@@ -233,6 +256,111 @@ struct TileWork {
                             seq.seqlen_q, seq.seqlen_k, n_min, n_max);
   }
 };
+
+// The consumers' walk over the CTA's tile list: the valid tiles in the producer's order, one per
+// next() (plain integer state, so the step loop can advance it; [Note] Persistent schedule).
+struct TileCursor {
+  int u, part;  // the (unit, part) looked at next
+
+  __device__ __forceinline__ TileCursor() : u(blockIdx.x), part(0) {}
+
+  template <class Traits>
+  __device__ __forceinline__ bool next(const FwdArgs& args, TileWork<Traits>& w) {
+    while (u < args.sched.units) {
+      bool valid;
+      w = TileWork<Traits>(args, u, part, valid);
+      if (part == 1) {
+        part = 0;
+        u += gridDim.x;
+      } else {
+        part = 1;
+      }
+      if (valid) return true;
+    }
+    return false;
+  }
+};
+
+// Writes this thread's two rows of O (the fp32 fragment o, or zeros when kZero) and their lse.
+// thread_row: the thread's first row inside the tile.
+template <class Traits, bool kZero, class FragO>
+__device__ __forceinline__ void store_tile(const FlashParams& p, const TileWork<Traits>& w,
+                                           int thread_row, int lane, FragO const& o,
+                                           const float lse[2]) {
+  using Element = typename Traits::Element;
+  constexpr int D = Traits::kHeadDim;
+  const int row0 = w.t.m_block * Traits::kBlockM + thread_row;
+  const int col_lane = 2 * (lane % 4);
+  Element* out = static_cast<Element*>(p.out) + int64_t(w.t.batch) * p.out_batch_stride +
+                 int64_t(w.t.head) * p.out_head_stride;
+  float* lse_out = p.lse + int64_t(w.t.batch) * p.lse_batch_stride +
+                   int64_t(w.t.head) * p.lse_head_stride;
+  CUTE_UNROLL
+  for (int c1 = 0; c1 < 2; ++c1) {
+    const int row = row0 + 8 * c1;
+    if (row >= w.seq.seqlen_q) continue;
+    Element* out_row = out + int64_t(w.seq.q_start + row) * p.out_row_stride;
+    CUTE_UNROLL
+    for (int g = 0; g < D / 8; ++g) {
+      const int col = 8 * g + col_lane;
+      if (col < p.head_dim) {
+        // col is even and head_dim a multiple of 8: the pair is in range together
+        __align__(4) Element pair[2];
+        if constexpr (kZero) {
+          pair[0] = pair[1] = Element(0.f);
+        } else {
+          pair[0] = Element(o(cute::make_coord(0, c1, g), 0, 0));
+          pair[1] = Element(o(cute::make_coord(1, c1, g), 0, 0));
+        }
+        *reinterpret_cast<uint32_t*>(out_row + col) = *reinterpret_cast<uint32_t*>(pair);
+      }
+    }
+    // a select, not lse[c1]: where this loop stays rolled, an indexed lse went to local memory
+    if (lane % 4 == 0) lse_out[w.seq.q_start + row] = c1 == 0 ? lse[0] : lse[1];
+  }
+}
+
+__device__ __forceinline__ float sink_log2_of(const FlashParams& p, int head) {
+  return p.s_aux != nullptr ? p.s_aux[head] * kLog2e : -INFINITY;
+}
+
+// Normalises the finished O of tile w with its softmax state and stores O and lse.
+template <class Traits, class FragO>
+__device__ __forceinline__ void finish_tile(const FwdArgs& args, const TileWork<Traits>& w,
+                                            OnlineSoftmax& softmax, FragO& o, int thread_row,
+                                            int lane) {
+  float lse[2];
+  softmax.finalize(o, args.scale_log2, sink_log2_of(args.p, w.t.head), lse);
+  store_tile<Traits, false>(args.p, w, thread_row, lane, o, lse);
+}
+
+// Moves the cursor to the next tile that has a visible key block and waits for its Q (true), or
+// to the end of the list (false). The tiles without one on the way are finished here: their Q is
+// waited for and released unread (the producer loads it like any other), O = 0 and lse = -inf,
+// or s_aux with a sink (the finalize of a row with no visible key). q_phase: [Note] Barrier
+// protocol.
+template <class Traits>
+__device__ __forceinline__ bool next_tile_with_keys(const FwdArgs& args, TileCursor& cursor,
+                                                    TileWork<Traits>& w, uint64_t* full_q,
+                                                    uint64_t* empty_q, uint32_t& q_phase,
+                                                    int thread_row, int lane) {
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  while (cursor.next(args, w)) {
+    Barrier::wait(full_q, q_phase);
+    q_phase ^= 1u;
+    if (w.n_max > w.n_min) return true;
+    Barrier::arrive(empty_q);
+    OnlineSoftmax none;
+    none.init();
+    auto o = cute::make_tensor<float>(
+        cute::Layout<cute::Shape<cute::Shape<cute::_2, cute::_2, cute::_1>, cute::_1, cute::_1>>{});
+    cute::clear(o);
+    float lse[2];
+    none.finalize(o, args.scale_log2, sink_log2_of(args.p, w.t.head), lse);
+    store_tile<Traits, true>(args.p, w, thread_row, lane, o, lse);
+  }
+  return false;
+}
 
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_constant__ FwdArgs args) {
@@ -334,124 +462,126 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   Tensor tOrP_words = recast<uint32_t>(tOrP);  // for compiler fences around the async read of P
 
   const int col_lane = 2 * (lane % 4);
+  const int thread_row = wg * Traits::kRowsPerWarpgroup + 16 * warp + lane / 4;  // in the tile
   const ScoreMod<Traits::kSoftcap> score_mod{args.scale_over_cap};
   PipelineState<Traits> st_k;  // slot of the block whose scores are computed next
   PipelineState<Traits> st_v;  // slot of the block whose P V is added next
-  uint32_t tiles_done = 0;
+  uint32_t q_phase = 0;        // parity of the tiles this CTA has started
 
-  for (int u = blockIdx.x; u < args.sched.units; u += gridDim.x) {
-    CUTE_NO_UNROLL
-    for (int part = 0; part < 2; ++part) {
-      bool valid;
-      const TileWork<Traits> w(args, u, part, valid);
-      if (!valid) continue;
-      const SeqInfo& seq = w.seq;
-      const int row_lo = w.t.m_block * M + wg * Traits::kRowsPerWarpgroup;  // this warpgroup's rows
-      const int row0 = row_lo + 16 * warp + lane / 4;                        // this thread's first row
-      const BandMask<Traits::kWindow> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q,
-                                           p.window_left, p.window_right};
-      OnlineSoftmax softmax;
-      softmax.init();
-      clear(tOrO);
-      mma_o.accumulate_ = gmma::ScaleOut::One;
-      float corr[2];
-      // Scores of key block n, already in tSrS: hooks, mask when the block needs it, softmax.
-      auto scores_to_probs = [&](int n) {
-        score_mod.apply(tSrS);
-        if (mask.needs_mask(row_lo, row_lo + Traits::kRowsPerWarpgroup - 1, n * N, n * N + N - 1)) {
-          mask.apply(tSrS, row0, n * N + col_lane);
-        }
-        softmax.update(tSrS, args.scale_log2, corr);
-      };
-
-      Barrier::wait(full_q, tiles_done & 1u);
-      const int main_iters = max(w.n_max - w.n_min - 1, 0);  // [Note] Pingpong
-      if (wg == 1 && main_iters > 0) named_barrier_arrive(kPingpongBarrier + 0);
-      int n = w.n_max - 1;
-      if (n >= w.n_min) {
-        Barrier::wait(&full_k[st_k.stage], st_k.phase);
-        warpgroup_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, st_k.stage), tSrS);
-        Barrier::arrive(&empty_k[st_k.stage]);
-        if (main_iters == 0) Barrier::arrive(empty_q);  // the tile's last S GEMM has retired
-        scores_to_probs(n);
-        to_a_operand(tSrS, tOrP);
-        st_k.advance();
-        // [Note] Overlap inside a warpgroup: the scores of block n are issued before the P V of
-        // block n+1, and the softmax of block n runs while that P V is on the tensor cores. O is
-        // rescaled by block n's correction only after the P V has retired (it writes O).
-        for (int iter = 0; iter < main_iters; ++iter) {
-          --n;
-          Barrier::wait(&full_k[st_k.stage], st_k.phase);
-          named_barrier_sync(kPingpongBarrier + wg);  // our turn on the tensor cores
-          warpgroup_fence_operand(tSrS);
-          warpgroup_arrive();
-          mma_s.accumulate_ = gmma::ScaleOut::Zero;
-          CUTE_UNROLL
-          for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
-            cute::gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, st_k.stage), tSrS);
-            mma_s.accumulate_ = gmma::ScaleOut::One;
-          }
-          warpgroup_commit_batch();
-          Barrier::wait(&full_v[st_v.stage], st_v.phase);
-          warpgroup_fence_operand(tOrO);
-          warpgroup_fence_operand(tOrP_words);
-          warpgroup_arrive();
-          CUTE_UNROLL
-          for (int kb = 0; kb < size<2>(tOrP); ++kb) {
-            cute::gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, st_v.stage), tOrO);
-          }
-          warpgroup_commit_batch();
-          if (wg == 0 || iter + 1 < main_iters) named_barrier_arrive(kPingpongBarrier + 1 - wg);
-          warpgroup_wait<1>();  // scores of block n are in
-          warpgroup_fence_operand(tSrS);
-          Barrier::arrive(&empty_k[st_k.stage]);
-          if (iter + 1 == main_iters) Barrier::arrive(empty_q);  // the tile's last S GEMM
-          scores_to_probs(n);
-          warpgroup_wait<0>();  // P V of block n+1 is in
-          warpgroup_fence_operand(tOrO);
-          warpgroup_fence_operand(tOrP_words);
-          Barrier::arrive(&empty_v[st_v.stage]);
-          OnlineSoftmax::rescale(tOrO, corr);
-          to_a_operand(tSrS, tOrP);
-          st_k.advance();
-          st_v.advance();
-        }
-        Barrier::wait(&full_v[st_v.stage], st_v.phase);
-        warpgroup_gemm<false>(mma_o, tOrP, tOrV(_, _, _, st_v.stage), tOrO);
-        Barrier::arrive(&empty_v[st_v.stage]);
-        st_v.advance();
-      } else {
-        Barrier::arrive(empty_q);  // no key block is visible: Q is not read
-      }
-
-      const float sink_log2 = p.s_aux != nullptr ? p.s_aux[w.t.head] * kLog2e : -INFINITY;
-      float lse[2];
-      softmax.finalize(tOrO, args.scale_log2, sink_log2, lse);
-
-      Element* out = static_cast<Element*>(p.out) + int64_t(w.t.batch) * p.out_batch_stride +
-                     int64_t(w.t.head) * p.out_head_stride;
-      float* lse_out = p.lse + int64_t(w.t.batch) * p.lse_batch_stride +
-                       int64_t(w.t.head) * p.lse_head_stride;
-      CUTE_UNROLL
-      for (int c1 = 0; c1 < 2; ++c1) {
-        const int row = row0 + 8 * c1;
-        if (row >= seq.seqlen_q) continue;
-        Element* out_row = out + int64_t(seq.q_start + row) * p.out_row_stride;
-        CUTE_UNROLL
-        for (int g = 0; g < D / 8; ++g) {
-          const int col = 8 * g + col_lane;
-          if (col < p.head_dim) {
-            // col is even and head_dim a multiple of 8: the pair is in range together
-            __align__(4) Element pair[2] = {Element(tOrO(make_coord(0, c1, g), 0, 0)),
-                                            Element(tOrO(make_coord(1, c1, g), 0, 0))};
-            *reinterpret_cast<uint32_t*>(out_row + col) = *reinterpret_cast<uint32_t*>(pair);
-          }
-        }
-        if (lane % 4 == 0) lse_out[seq.q_start + row] = lse[c1];
-      }
-      ++tiles_done;
-    }
+  // [Note] Step loop: a step is one (tile, key block) pair; the CTA's steps are all the blocks
+  // of all its tiles, in the order the producer loads them. Iteration i issues the S GEMM of
+  // step i and the P V of step i-1 in one turn, whether or not step i starts a new tile: the
+  // CTA's first S GEMM is peeled before the loop and its last P V after it, so no wgmma is
+  // issued under a run-time condition (v3's `pending` flag made ptxas serialise them all, C7520).
+  // A tile boundary changes only what runs after the GEMMs: once the P V of step i-1 has
+  // retired, the old tile's O is finalised and stored and O is cleared, while the scores of
+  // step i go through a fresh softmax. Both consumers walk the same tiles, so they run the same
+  // number of steps L.
+  int steps = 0;  // L
+  {
+    TileCursor c;
+    TileWork<Traits> t;
+    while (c.next(args, t)) steps += max(t.n_max - t.n_min, 0);
   }
+
+  TileCursor cursor;
+  TileWork<Traits> w;  // the tile of the current step
+  OnlineSoftmax softmax;
+  float corr[2];
+  // Scores of key block n of tile t, already in tSrS: hooks, mask when the block needs it, softmax.
+  auto scores_to_probs = [&](const TileWork<Traits>& t, int n) {
+    const int row_lo = t.t.m_block * M + wg * Traits::kRowsPerWarpgroup;  // this warpgroup's rows
+    const BandMask<Traits::kWindow> mask{t.seq.seqlen_k, t.seq.seqlen_k - t.seq.seqlen_q,
+                                         p.window_left, p.window_right};
+    score_mod.apply(tSrS);
+    if (mask.needs_mask(row_lo, row_lo + Traits::kRowsPerWarpgroup - 1, n * N, n * N + N - 1)) {
+      mask.apply(tSrS, t.t.m_block * M + thread_row, n * N + col_lane);
+    }
+    softmax.update(tSrS, args.scale_log2, corr);
+  };
+
+  if (steps > 0) {
+    next_tile_with_keys(args, cursor, w, full_q, empty_q, q_phase, thread_row, lane);
+    int n = w.n_max - 1;  // key block of the current step
+    if (wg == 1 && steps > 1) named_barrier_arrive(kPingpongBarrier + 0);  // [Note] Pingpong
+    // Step 0: the S GEMM alone, outside the turns.
+    softmax.init();
+    clear(tOrO);
+    mma_o.accumulate_ = gmma::ScaleOut::One;
+    Barrier::wait(&full_k[st_k.stage], st_k.phase);
+    warpgroup_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, st_k.stage), tSrS);
+    Barrier::arrive(&empty_k[st_k.stage]);
+    if (n == w.n_min) Barrier::arrive(empty_q);  // the tile's last S GEMM has retired
+    scores_to_probs(w, n);
+    to_a_operand(tSrS, tOrP);
+    st_k.advance();
+    // [Note] Overlap inside a warpgroup: the scores of step i are issued before the P V of step
+    // i-1, and the softmax of step i runs while that P V is on the tensor cores. O is rescaled by
+    // step i's correction (or finalised, at a tile boundary) only after the P V has retired.
+    for (int i = 1; i < steps; ++i) {
+      const bool boundary = n == w.n_min;  // step i-1 was its tile's last block
+      const TileWork<Traits> prev = w;     // the tile of step i-1
+      if (boundary) {
+        next_tile_with_keys(args, cursor, w, full_q, empty_q, q_phase, thread_row, lane);
+        n = w.n_max - 1;
+      } else {
+        --n;
+      }
+      Barrier::wait(&full_k[st_k.stage], st_k.phase);
+      // Q's descriptors, from a base the compiler cannot hoist ([Note] Q descriptors)
+      gmma::DescriptorIterator q_desc = tSrQ.data();
+      asm volatile("" : "+r"(q_desc.desc_.reg32_[0]));
+      const Tensor tSrQ_now = make_tensor(q_desc, tSrQ.layout());
+      named_barrier_sync(kPingpongBarrier + wg);  // our turn on the tensor cores
+      warpgroup_fence_operand(tSrS);
+      warpgroup_arrive();
+      mma_s.accumulate_ = gmma::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+        cute::gemm(mma_s, tSrQ_now(_, _, kb), tSrK(_, _, kb, st_k.stage), tSrS);
+        mma_s.accumulate_ = gmma::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      Barrier::wait(&full_v[st_v.stage], st_v.phase);
+      warpgroup_fence_operand(tOrO);
+      warpgroup_fence_operand(tOrP_words);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tOrP); ++kb) {
+        cute::gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, st_v.stage), tOrO);
+      }
+      warpgroup_commit_batch();
+      if (wg == 0 || i + 1 < steps) named_barrier_arrive(kPingpongBarrier + 1 - wg);
+      warpgroup_wait<1>();  // scores of step i are in
+      warpgroup_fence_operand(tSrS);
+      Barrier::arrive(&empty_k[st_k.stage]);
+      if (n == w.n_min) Barrier::arrive(empty_q);  // the tile's last S GEMM has retired
+      OnlineSoftmax done = softmax;  // the old tile's state, finalised below on a boundary
+      if (boundary) softmax.init();
+      scores_to_probs(w, n);
+      warpgroup_wait<0>();  // P V of step i-1 is in
+      warpgroup_fence_operand(tOrO);
+      warpgroup_fence_operand(tOrP_words);
+      Barrier::arrive(&empty_v[st_v.stage]);
+      to_a_operand(tSrS, tOrP);
+      if (boundary) {
+        finish_tile(args, prev, done, tOrO, thread_row, lane);
+        clear(tOrO);  // the next P V accumulates onto it (ScaleOut::One); fenced before its issue
+      } else {
+        OnlineSoftmax::rescale(tOrO, corr);
+      }
+      st_k.advance();
+      st_v.advance();
+    }
+    // Step L-1's P V alone, outside the turns.
+    Barrier::wait(&full_v[st_v.stage], st_v.phase);
+    warpgroup_gemm<false>(mma_o, tOrP, tOrV(_, _, _, st_v.stage), tOrO);
+    Barrier::arrive(&empty_v[st_v.stage]);
+    st_v.advance();
+    finish_tile(args, w, softmax, tOrO, thread_row, lane);
+  }
+  // The tiles after the last one with a visible key block, if any, have none.
+  next_tile_with_keys(args, cursor, w, full_q, empty_q, q_phase, thread_row, lane);
 #endif
 }
 
