@@ -272,3 +272,86 @@ def test_supports_declines_without_sm90_or_features(cuda_backend, attn_params):
     assert not cuda_backend.supports(qc.float(), qc.float(), params, backward=False, **flags)
     dropout = dataclasses.replace(params, dropout_p=0.1)
     assert not cuda_backend.supports(qc, qc, dropout, backward=False, **flags)
+
+
+def _decode_case(batch, heads_q, heads_kv, keys, d, dtype, device, *, transposed=False):
+    torch.manual_seed(keys + heads_q)
+    if transposed:  # q as a (B, Hq, 1, D) tensor seen through transpose(1, 2)
+        q = torch.randn(batch, heads_q, 1, d, dtype=dtype, device=device).transpose(1, 2)
+    else:
+        q = torch.randn(batch, 1, heads_q, d, dtype=dtype, device=device)
+    k, v = (torch.randn(batch, keys, heads_kv, d, dtype=dtype, device=device) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("causal,softcap", [(False, 0.0), (True, 0.0), (True, 5.0)])
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+def test_packed_decode_views(cuda_backend, flash_attn, attn_params, causal, softcap, transposed):
+    """[Note: packed decode], without a GPU: the packed views and params, run through the CPU
+    backend, write the same out and lse as the unpacked call."""
+    cpu = importlib.import_module(flash_attn.__name__ + "._cpu")
+    q, k, v = _decode_case(3, 12, 2, 37, 32, torch.float32, "cpu", transposed=transposed)
+    params = backend_params(attn_params, 32, causal=causal, softcap=softcap, max_q=1, max_k=37)
+    outputs = []
+    for pack in (False, True):
+        out = torch.full((3, 1, 12, 32), math.nan)
+        lse = torch.full((3, 12, 1), math.nan)
+        args = (q, out, lse, params)
+        if pack:
+            args = cuda_backend.packed_decode(q, k, out, lse, cu_seqlens_q=None, s_aux=None,
+                                              params=params)
+            assert args is not None and args[0].shape == (3, 6, 2, 32) and not args[3].causal
+        cpu.forward(args[0], k, v, args[1], args[2], cu_seqlens_q=None, cu_seqlens_k=None,
+                    s_aux=None, alibi_slopes=None, params=args[3])
+        outputs.append((out, lse))
+    (out, lse), (packed_out, packed_lse) = outputs
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(packed_out, out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(packed_lse, lse, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.kernels_ci
+def test_packed_decode_declines(cuda_backend, attn_params):
+    q, k, _ = _decode_case(2, 8, 2, 16, 32, torch.float32, "cpu")
+    out, lse = torch.empty_like(q), torch.empty(2, 8, 1)
+    decode = backend_params(attn_params, 32, causal=True, max_q=1, max_k=16)
+
+    def packs(q=q, k=k, lse=lse, params=decode, s_aux=None):
+        return cuda_backend.packed_decode(q, k, torch.empty_like(q), lse, cu_seqlens_q=None,
+                                          s_aux=s_aux, params=params) is not None
+
+    assert packs()
+    assert not packs(k=k.repeat_interleave(4, dim=2))  # MHA: nothing to pack
+    assert not packs(q=q.expand(2, 3, 8, 32).contiguous(), lse=torch.empty(2, 8, 3))  # Sq > 1
+    assert not packs(s_aux=torch.zeros(8))  # one sink per query head
+    assert not packs(params=backend_params(attn_params, 32, causal=True, window=(8, 0),
+                                           max_q=1, max_k=16))  # left window: differs per row
+    varlen = cuda_backend.packed_decode(q[:, 0], k.flatten(0, 1), out[:, 0], lse[..., 0].T,
+                                        cu_seqlens_q=torch.tensor([0, 1, 2]), s_aux=None,
+                                        params=decode)
+    assert varlen is None
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("batch,heads_q,heads_kv,keys", [
+    (3, 8, 2, 1), (3, 8, 2, 239), (2, 32, 8, 4099), (2, 32, 1, 1000), (5, 12, 2, 333),
+    (40, 16, 4, 700)],  # the last: 640 unpacked tiles, several per SM
+    ids=["g4-k1", "g4-k239", "g4-k4099", "mqa32", "g6", "many-tiles"])
+@pytest.mark.parametrize("causal,softcap", [(False, 0.0), (True, 0.0), (True, 6.0)],
+                         ids=["full", "causal", "causal-softcap"])
+def test_packed_decode(cuda_backend, attn_params, monkeypatch, batch, heads_q, heads_kv, keys,
+                       causal, softcap):
+    """[Note: packed decode] on the GPU against the reference, the packed launch confirmed
+    (with the switch on: it is off until this test has passed on an sm90 GPU)."""
+    monkeypatch.setattr(cuda_backend, "PACKED_DECODE", True)
+    packed = []
+    pack = cuda_backend.packed_decode
+    monkeypatch.setattr(cuda_backend, "packed_decode",
+                        lambda *a, **kw: packed.append(pack(*a, **kw)) or packed[-1])
+    q, k, v = _decode_case(batch, heads_q, heads_kv, keys, 128, torch.bfloat16, "cuda",
+                           transposed=keys == 239)
+    _check(cuda_backend, q, k, v, backend_params(attn_params, 128, causal=causal,
+                                                 softcap=softcap, max_q=1, max_k=keys))
+    assert len(packed) == 1 and packed[0] is not None

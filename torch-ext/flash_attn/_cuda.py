@@ -13,6 +13,7 @@ False when the extension is absent (noarch builds) or the op is missing from it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -165,6 +166,40 @@ def supports(q: torch.Tensor, k: torch.Tensor, params: AttnParams, *, backward: 
     return _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())
 
 
+# [Note: packed decode] A batched decode (one query per sequence) runs the G = Hq / Hkv query
+# heads of one kv head as the G rows of one tile: q (B, 1, Hq, D) is viewed as (B, G, Hkv, D),
+# where row g of kv head j is query head j*G + g. That is a plain stride pattern (row stride =
+# q's head stride, head stride = G times it), and out and lse take the same view, so the kernel
+# runs unchanged with G query rows per kv head: B x Hkv tiles instead of B x Hq, each reading
+# its kv head's keys once instead of G times. Large-batch decode, whose B x Hq tiles are many
+# waves of SMs, then runs in 1/G of the waves. With one query row a causal mask or a right
+# window hides no key, so the packed rows run unmasked; a left window (which would differ from
+# row to row once the rows are G) and sinks (one logit per query head, read per tile) keep the
+# unpacked launch. Varlen and Sq > 1 are not packed: their (position, head) rows are not one
+# stride pattern. PACKED_DECODE stays False until tests/test_cuda_fwd.py::test_packed_decode
+# has passed on an sm90 GPU (the view mapping itself is tested on the CPU backend).
+PACKED_DECODE = False
+
+
+def packed_decode(q, k, out, lse, *, cu_seqlens_q, s_aux, params: AttnParams):
+    """``(q, out, lse, params)`` of the packed launch ([Note: packed decode]), or None."""
+    group = q.shape[-2] // k.shape[-2]
+    if (cu_seqlens_q is not None or q.shape[1] != 1 or group == 1 or s_aux is not None
+            or params.window_left >= 0 or lse.stride(1) != 1):
+        return None
+    batch, _, heads_q, head_dim = q.shape
+    heads_kv = heads_q // group
+
+    def rows(t):  # (B, 1, Hq, D) -> (B, G, Hkv, D)
+        return t.as_strided((batch, group, heads_kv, head_dim),
+                            (t.stride(0), t.stride(2), group * t.stride(2), t.stride(3)))
+
+    packed_lse = lse.as_strided((batch, heads_kv, group), (lse.stride(0), group, 1))
+    packed = dataclasses.replace(params, causal=False, window_left=-1, window_right=-1,
+                                 max_seqlen_q=group)
+    return rows(q), rows(out), packed_lse, packed
+
+
 def forward(q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slopes,
             params: AttnParams) -> None:
     """Destination-passing forward (see the backend interface in the package contract)."""
@@ -179,6 +214,10 @@ def forward(q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slope
         return
     if s_aux is not None:
         s_aux = s_aux.contiguous()
+    packed = PACKED_DECODE and packed_decode(q, k, out, lse, cu_seqlens_q=cu_seqlens_q,
+                                             s_aux=s_aux, params=params)
+    if packed:
+        q, out, lse, params = packed
     _op()(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, s_aux, int(params.max_seqlen_q),
           int(params.max_seqlen_k), float(params.softmax_scale), int(params.window_left),
           int(params.window_right), float(params.softcap))
