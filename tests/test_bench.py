@@ -88,6 +88,7 @@ def test_grids_cover_the_issue_workloads():
     decode = grid_workloads("decode")
     assert all(w.seqlen_q == 1 and w.gqa and w.modes == ("fwd",) for w in decode)
     assert max(w.seqlen_k for w in decode) == 131072
+    assert {w.batch for w in decode} == {4, 64}  # small batch, and a serving-sized one
     assert all(w.windowed for w in grid_workloads("window"))
     picked = grid_workloads("gqa,window", seqlens=[16384], head_dims=[128], match="h32-8")
     assert [w.name for w in picked] == ["gqa-d128-h32-8-b1-s16384-full", "gqa-d128-h32-8-b1-s16384-causal",

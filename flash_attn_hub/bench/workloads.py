@@ -177,8 +177,12 @@ def _grid_varlen():
 
 
 def _grid_decode():
-    return [Workload("decode", 4, 1, sk, 32, 8, 128, True, modes=("fwd",))
-            for sk in (4096, 16384, 65536, 131072)]
+    """One new token per sequence over a KV cache, GQA 32/8: a small batch over long caches, and
+    a serving-sized batch (64) whose B x Hq query heads are many waves of SMs."""
+    return ([Workload("decode", 4, 1, sk, 32, 8, 128, True, modes=("fwd",))
+             for sk in (4096, 16384, 65536, 131072)]
+            + [Workload("decode", 64, 1, sk, 32, 8, 128, True, modes=("fwd",))
+               for sk in (4096, 16384)])
 
 
 def _grid_window():
