@@ -4,6 +4,7 @@ backward, matching eager."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import pytest
@@ -185,6 +186,13 @@ def test_compiled_varlen_follows_0d_max_seqlen(flash_attn, monkeypatch):
     assert seen[0::2] == [(4, 5), (6, 5)]
 
 
+class _PassThrough(torch.overrides.TorchFunctionMode):
+    """A torch-function mode that changes nothing (its presence sends calls through the ops)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 class _Recording(torch.utils._python_dispatch.TorchDispatchMode):
     """Names of the ops dispatched while active."""
 
@@ -240,3 +248,14 @@ def test_direct_path_declines_subclasses_and_transforms(ops):
         assert not ops._direct((plain,))
     assert torch.func.vmap(lambda x: torch.tensor(ops._direct((x,))).expand(x.shape))(
         torch.zeros(3, 2)).logical_not().all()
+
+
+@pytest.mark.kernels_ci
+def test_double_backward_is_refused_on_both_routes(flash_attn):
+    q, k, v = make_qkv(1, 5, 5, 2, 2, 16, requires_grad=True)
+    for mode in (_PassThrough, contextlib.nullcontext):  # the op route, the direct one
+        with mode():
+            out = flash_attn.flash_attn_func(q, k, v)
+        (grad,) = torch.autograd.grad(out.float().sum(), q, create_graph=True)
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            torch.autograd.grad(grad.float().sum(), q)

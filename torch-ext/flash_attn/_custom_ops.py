@@ -186,6 +186,7 @@ class _Attention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # as the op: no double backward
     def backward(ctx, grad_out, grad_lse):
         saved = ctx.saved_tensors
         bwd_fn = _bwd_body if _direct((grad_out, *saved)) else bwd
