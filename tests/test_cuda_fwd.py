@@ -175,11 +175,14 @@ def test_many_tiles_per_cta(cuda_backend, attn_params, window, sq, sk, d):
     query blocks: under a triangle band (causal, right bound only) the units pair blocks 8+0,
     ..., 5+3 and leave block 4 alone; Sk != Sq and Sk not a multiple of any key block. With
     1300 queries over 300 keys, causal, the first 1000 rows see no key: tiles without a key
-    block sit between tiles with some."""
+    block sit between tiles with some, and a third of the CTAs get only such tiles (units pair
+    blocks 10-j and j; CTA c runs the units with j = c mod 6); those rows carry a sink, so their
+    lse is its logit."""
     q, k, v = seeded_cuda_qkv(3, sq, sk, 16, 4, d, torch.bfloat16, seed=d + sum(window) + sk)
     params = backend_params(attn_params, d, causal=window == (-1, 0), window=window, max_q=sq,
                             max_k=sk)
-    _check(cuda_backend, q, k, v, params)
+    s_aux = torch.randn(16, device="cuda") if sq > sk else None
+    _check(cuda_backend, q, k, v, params, s_aux=s_aux)
 
 
 @pytest.mark.gpu
