@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 
-from helpers import backend_params, needs_sm90, seeded_cuda_qkv, sm90
+from helpers import backend_params, make_qkv, needs_sm90, seeded_cuda_qkv, sm90
 from reference import assert_close_to_reference, attention_reference
 
 
@@ -279,12 +279,8 @@ def test_supports_declines_without_sm90_or_features(cuda_backend, attn_params):
 
 def _decode_case(batch, heads_q, heads_kv, keys, d, dtype, device, *, transposed=False):
     torch.manual_seed(keys + heads_q)
-    if transposed:  # q as a (B, Hq, 1, D) tensor seen through transpose(1, 2)
-        q = torch.randn(batch, heads_q, 1, d, dtype=dtype, device=device).transpose(1, 2)
-    else:
-        q = torch.randn(batch, 1, heads_q, d, dtype=dtype, device=device)
-    k, v = (torch.randn(batch, keys, heads_kv, d, dtype=dtype, device=device) for _ in range(2))
-    return q, k, v
+    return make_qkv(batch, 1, keys, heads_q, heads_kv, d, dtype=dtype, device=device,
+                    transposed=transposed)
 
 
 @pytest.mark.kernels_ci

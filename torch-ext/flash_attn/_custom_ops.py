@@ -70,10 +70,10 @@ def _select(direction, q, k, cu_seqlens_q, s_aux, alibi_slopes, params):
 
 
 def _fwd_body(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
-        cu_seqlens_k: Optional[Tensor], s_aux: Optional[Tensor], alibi_slopes: Optional[Tensor],
-        softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-        dropout_p: float, seed: int, deterministic: bool, max_seqlen_q: int,
-        max_seqlen_k: int) -> tuple[Tensor, Tensor]:
+              cu_seqlens_k: Optional[Tensor], s_aux: Optional[Tensor],
+              alibi_slopes: Optional[Tensor], softmax_scale: float, causal: bool,
+              window_left: int, window_right: int, softcap: float, dropout_p: float, seed: int,
+              deterministic: bool, max_seqlen_q: int, max_seqlen_k: int) -> tuple[Tensor, Tensor]:
     """Attention forward: ``(out, lse)``; out contiguous like q, lse float32."""
     params = _params(softmax_scale, causal, window_left, window_right, softcap, dropout_p, seed,
                      deterministic, max_seqlen_q, max_seqlen_k)
@@ -100,10 +100,11 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slopes, softmax_
 
 
 def _bwd_body(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], s_aux: Optional[Tensor],
-        alibi_slopes: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int,
-        window_right: int, softcap: float, dropout_p: float, seed: int, deterministic: bool,
-        max_seqlen_q: int, max_seqlen_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+              cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+              s_aux: Optional[Tensor], alibi_slopes: Optional[Tensor], softmax_scale: float,
+              causal: bool, window_left: int, window_right: int, softcap: float,
+              dropout_p: float, seed: int, deterministic: bool, max_seqlen_q: int,
+              max_seqlen_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Attention backward: ``(dq, dk, dv, ds_aux)``, contiguous, in q's dtype; ``ds_aux`` is
     float32 ``(Hq,)``, or empty ``(0,)`` when there is no sink."""
     params = _params(softmax_scale, causal, window_left, window_right, softcap, dropout_p, seed,
