@@ -343,7 +343,7 @@ def test_packed_decode_declines(cuda_backend, attn_params):
 def test_packed_decode(cuda_backend, attn_params, monkeypatch, batch, heads_q, heads_kv, keys,
                        causal, softcap):
     """[Note: packed decode] on the GPU against the reference, the packed launch confirmed
-    (with the switch on: it is off until this test has passed on an sm90 GPU)."""
+    (the switch forced on, so the test keeps its meaning if the default changes)."""
     monkeypatch.setattr(cuda_backend, "PACKED_DECODE", True)
     packed = []
     pack = cuda_backend.packed_decode
