@@ -1,0 +1,112 @@
+"""GPU ONLY: GPU time per kernel of one attention forward and backward, ours against SDPA cuDNN.
+
+The benchmark times a whole call; this says where that time goes. Each provider runs a bf16
+forward and backward `--iters` times under torch.profiler (after a warm-up), and the table lists
+every kernel launched with its mean GPU time per call, so that the main kernels can be set
+against the work around them (workspace fills, preprocess, dQ cast, copies).
+
+    python3 scripts/kernel_times.py --kernel-dir build [--seqlen 4096 --batch 4 --heads 16/16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _profile(fn, iters: int) -> list[tuple[str, float, int]]:
+    """(kernel name, mean microseconds per call, launches per call) of what ``fn`` launches."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            total[evt.name] += evt.device_time
+            count[evt.name] += 1
+    rows = [(name, total[name] / iters, count[name] // iters) for name in total]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel-dir", type=Path, default=ROOT / "build",
+                        help="folder holding build/<variant>/")
+    parser.add_argument("--backend", default="cuda", choices=("cuda", "triton"))
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--heads", default="16/16", help="HQ/HKV")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("kernel_times.py needs a CUDA GPU")
+        return 2
+    os.environ["FLASH_ATTN_HUB_BACKEND"] = args.backend
+    import kernels
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    flash_attn = kernels.get_local_kernel(args.kernel_dir.resolve().parent)
+
+    hq, hkv = (int(x) for x in args.heads.split("/"))
+    b, s, d = args.batch, args.seqlen, args.head_dim
+    torch.manual_seed(0)
+    q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    dout = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16)
+    flops = 4 * b * hq * s * s * d / (2 if args.causal else 1)
+
+    def ours_fwd():
+        return flash_attn.flash_attn_func(q, k, v, causal=args.causal)
+
+    qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    doutt = dout.transpose(1, 2)
+
+    def cudnn_fwd():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(
+                qt, kt, vt, is_causal=args.causal, enable_gqa=hq != hkv)
+
+    print(f"B={b} S={s} H={hq}/{hkv} D={d} causal={args.causal} bf16, {args.iters} calls each; "
+          f"GPU {torch.cuda.get_device_name()}")
+    for name, fwd, grad_out in (("ours-" + args.backend, ours_fwd, dout), ("sdpa-cudnn", cudnn_fwd, doutt)):
+        for mode in ("fwd", "bwd"):
+            if mode == "fwd":
+                def fn(fwd=fwd):
+                    with torch.no_grad():
+                        fwd()
+            else:
+                out = fwd()
+
+                def fn(out=out, grad_out=grad_out):
+                    out.backward(grad_out, retain_graph=True)
+            rows = _profile(fn, args.iters)
+            total = sum(r[1] for r in rows)
+            wall = triton.testing.do_bench(fn, grad_to_none=[q, k, v, qt, kt, vt]) * 1e3
+            mode_flops = flops * (2.5 if mode == "bwd" else 1)
+            print(f"\n{name} {mode}: {total:.1f} us of kernels per call "
+                  f"({mode_flops / total / 1e6:.0f} TFLOP/s), {wall:.1f} us per call timed "
+                  f"back to back ({mode_flops / wall / 1e6:.0f} TFLOP/s)")
+            for kname, us, n in rows:
+                print(f"  {us:9.1f} us  {n:3d}x  {us / total:6.1%}  {kname[:110]}")
+            for t in (q, k, v, qt, kt, vt):
+                t.grad = None
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
