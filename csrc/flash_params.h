@@ -70,7 +70,7 @@ enum class FwdStatus : int {
 // start_b = (cu_seqlens_q[b] + 64 * b) / 64 * 64 and ws_rows = Tq + 64 * B rounded up to 64.
 // lse2 = lse * log2(e) (+inf where lse is -inf and on padding rows, so their P is 0); delta =
 // rowsum(dO * O) (0 on padding rows); dq_acc (ws rows x the compiled head dim, zeroed by the
-// caller) sums dS K over all key blocks, each 64-row block in the kernel's fragment order
+// preprocess, so the caller need not) sums dS K over all key blocks, each 64-row block in the kernel's fragment order
 // (csrc/hopper/bwd_kernel.h), and is scaled and cast into dq at the end.
 struct FlashBwdParams {
   FlashParams fwd;
@@ -87,7 +87,7 @@ struct FlashBwdParams {
   float* delta;
   int64_t ws_rows;
   int dq_acc_cols;  // the compiled head dim the call runs on (>= head_dim)
-  int* dq_semaphore;  // deterministic mode: one zeroed int per workspace block; else null
+  int* dq_semaphore;  // deterministic mode: one int per workspace block (zeroed by the preprocess); else null
 };
 
 // Runs the sm90 forward on `stream` (a cudaStream_t). On failure returns the status and writes a

@@ -83,7 +83,8 @@ def main() -> int:
 
     print(f"B={b} S={s} H={hq}/{hkv} D={d} causal={args.causal} bf16, {args.iters} calls each; "
           f"GPU {torch.cuda.get_device_name()}")
-    for name, fwd, grad_out in (("ours-" + args.backend, ours_fwd, dout), ("sdpa-cudnn", cudnn_fwd, doutt)):
+    providers = (("ours-" + args.backend, ours_fwd, dout), ("sdpa-cudnn", cudnn_fwd, doutt))
+    for name, fwd, grad_out in providers:
         for mode in ("fwd", "bwd"):
             if mode == "fwd":
                 def fn(fwd=fwd):

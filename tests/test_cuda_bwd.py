@@ -20,8 +20,8 @@ import importlib
 import pytest
 import torch
 
-from helpers import (backend_params, make_varlen_qkv, needs_sm90, reference_results, run_backward,
-                     run_forward, seeded_cuda_qkv, sm90)
+from helpers import (backend_params, make_varlen_qkv, nan_like, needs_sm90, reference_results,
+                     run_backward, run_forward, seeded_cuda_qkv, sm90)
 from reference import assert_close_to_reference, attention_reference
 
 
@@ -171,6 +171,36 @@ def test_strided_layouts(cuda_backend, attn_params, kv_layout):
     for causal in (False, True):
         _check(cuda_backend, q, k, v, backend_params(attn_params, 128, causal=causal, max_q=190,
                                               max_k=190), label=f"{kv_layout} causal={causal}")
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("d", [72, 128])
+def test_unaligned_out_and_dq(cuda_backend, attn_params, d):
+    """The element-wise paths of the preprocess and the dQ cast ([Note] Backward preprocess and
+    cast): out 8-byte but not 16-byte aligned, dq only 2-byte aligned. The gradients are held to
+    the reference like every other case."""
+    q, k, v = seeded_cuda_qkv(2, 190, 190, 4, 2, d, seed=29)
+    params = backend_params(attn_params, d, causal=True, max_q=190, max_k=190)
+    out, lse = run_forward(cuda_backend, q, k, v, params=params)
+    dout = torch.randn_like(out)
+
+    def shifted(t, elems):  # t's values in a tensor whose base is `elems` elements further on
+        buf = torch.full((t.numel() + elems,), float("nan"), dtype=t.dtype, device=t.device)
+        return buf[elems:].view(t.shape).copy_(t)
+
+    out_u = shifted(out, 4)
+    grads = dict(dq=shifted(nan_like(q), 1), dk=nan_like(k), dv=nan_like(v))
+    assert out_u.data_ptr() % 16 == 8 and grads["dq"].data_ptr() % 4 == 2
+    cuda_backend.backward(dout, q, k, v, out_u, lse, grads["dq"], grads["dk"], grads["dv"], None,
+                          cu_seqlens_q=None, cu_seqlens_k=None, s_aux=None, alibi_slopes=None,
+                          params=params)
+    torch.cuda.synchronize()
+    kwargs = dict(softmax_scale=params.softmax_scale, causal=True, dout=dout)
+    ref64 = reference_results(q, k, v, dtype=torch.float64, **kwargs)
+    lowp = reference_results(q, k, v, dtype=q.dtype, **kwargs)
+    for name, value in grads.items():
+        assert_close_to_reference(f"unaligned d={d} {name}", value, ref64[name], lowp[name])
 
 
 @pytest.mark.gpu

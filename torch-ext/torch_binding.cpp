@@ -246,9 +246,10 @@ void hopper_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor ls
                   op, ": delta must be a contiguous float32 CUDA vector like lse2");
   STD_TORCH_CHECK(dq_acc.is_cuda() && dq_acc.scalar_type() == ScalarType::Float &&
                       dq_acc.dim() == 2 && dq_acc.is_contiguous() &&
-                      dq_acc.size(0) == lse2.numel() && dq_acc.size(1) >= q.size(-1),
-                  op, ": dq_acc must be a contiguous float32 CUDA (lse2 rows, compiled head dim) "
-                  "matrix");
+                      dq_acc.size(0) == lse2.numel() && dq_acc.size(1) >= q.size(-1) &&
+                      reinterpret_cast<uintptr_t>(dq_acc.const_data_ptr()) % 16 == 0,
+                  op, ": dq_acc must be a contiguous, 16-byte aligned float32 CUDA (lse2 rows, "
+                  "compiled head dim) matrix");
 
   b.dout = dout.const_data_ptr();
   b.dout_row_stride = dout.stride(-3);

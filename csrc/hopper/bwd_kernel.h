@@ -43,7 +43,7 @@
 // carries the tile; dq_acc keeps that order and the cast kernel undoes it.
 //
 // [Note] Deterministic dQ
-// With a semaphore array (one int per workspace block, zeroed), the CTAs that add into one dQ
+// With a semaphore array (one int per workspace block, zeroed by the preprocess), the CTAs that add into one dQ
 // block do so in increasing key-block order: CTA n waits until the block's counter equals its
 // rank n - n_first among the key blocks that see the query block, reduces, waits for the
 // reduce to complete and publishes rank + 1. The same fp32 additions in the same order make dQ
@@ -155,18 +155,41 @@ __device__ __forceinline__ void key_blocks_of_query_block(const FlashParams& p, 
   clipped_blocks(first_k, last_k, seqlen_k, Traits::kBlockN, n_min, n_max);
 }
 
-// delta = rowsum(dO * O) and lse2 = lse * log2(e) into the padded workspaces; one CTA per
-// (64-row block, query head, batch), one warp per 8 rows.
-template <class Element>
-__global__ void __launch_bounds__(256) bwd_prep_kernel(const __grid_constant__ FlashBwdParams p) {
+// [Note] Backward preprocess and cast
+// Both run once per 64-row workspace block of each (query head, batch) and move only bytes, so
+// they are written for bandwidth: wide accesses, every load of a thread issued before its first
+// use, no atomics. The preprocess reads O and dO in 16-byte chunks (a half-warp per row, one
+// chunk per lane), writes delta and lse2, and zeroes the block's dq_acc rows (and, in
+// deterministic mode, its semaphore), so the caller allocates the workspaces uninitialised and
+// no separate fill runs. The cast reads the block's fp32 dQ in the main kernel's fragment order
+// (coalesced float4 loads), turns it into rows through shared memory, and writes each row of
+// dq in 8-byte runs of four elements. Unaligned or odd-strided tensors (the host checks) take
+// element-wise loads and stores in the same kernels.
+
+// 16-byte (preprocess) / 8-byte (cast) vector access is allowed for this tensor: base and every
+// stride aligned, head dim a multiple of the vector.
+__host__ __device__ inline bool vector_ok(const void* ptr, int64_t s0, int64_t s1, int64_t s2,
+                                          int head_dim, int elems, int elem_bytes) {
+  return reinterpret_cast<uintptr_t>(ptr) % (elems * elem_bytes) == 0 && s0 % elems == 0 &&
+         s1 % elems == 0 && s2 % elems == 0 && head_dim % elems == 0;
+}
+
+// delta = rowsum(dO * O) and lse2 = lse * log2(e) into the padded workspaces, the block's dq_acc
+// rows zeroed ([Note] Backward preprocess and cast). One CTA per (64-row block, query head,
+// batch); warp w, half h handles rows 16 i + 2 w + h, lane l of the half the chunk [8 l, 8 l + 8).
+template <class Element, int D>
+__global__ void __launch_bounds__(256) bwd_prep_kernel(const __grid_constant__ FlashBwdParams p,
+                                                       bool vec) {
 #if defined(FLASH_HOPPER_DEVICE_PASS)
+  constexpr int kPasses = kWorkspaceRows / 16;
+  static_assert(D <= 128, "one 16-byte chunk per lane of a half-warp covers the row");
   const FlashParams& f = p.fwd;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const SeqInfo seq(f, batch);
   const int block_row = blockIdx.x * kWorkspaceRows;
   if (block_row >= seq.seqlen_q) return;
-  const int64_t ws = workspace_row(p, batch, head);
+  const int64_t ws = workspace_row(p, batch, head) + block_row;
   const Element* out = static_cast<const Element*>(f.out) + int64_t(batch) * f.out_batch_stride +
                        int64_t(head) * f.out_head_stride;
   const Element* dout = static_cast<const Element*>(p.dout) + int64_t(batch) * p.dout_batch_stride +
@@ -174,37 +197,67 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel(const __grid_constant__ F
   const float* lse = f.lse + int64_t(batch) * f.lse_batch_stride + int64_t(head) * f.lse_head_stride;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  for (int r = warp; r < kWorkspaceRows; r += 8) {
-    const int row = block_row + r;
-    float sum = 0.f;
-    float lse2 = INFINITY;
-    if (row < seq.seqlen_q) {
-      const int64_t tok = seq.q_start + row;
-      for (int c = lane; c < f.head_dim; c += 32) {
-        sum += float(out[tok * f.out_row_stride + c]) * float(dout[tok * p.dout_row_stride + c]);
+  const int chunk = lane % 16;
+
+  float sum[kPasses];
+  CUTE_UNROLL
+  for (int i = 0; i < kPasses; ++i) {
+    const int row = block_row + 16 * i + 2 * warp + lane / 16;
+    sum[i] = 0.f;
+    if (row >= seq.seqlen_q) continue;
+    const int64_t tok = seq.q_start + row;
+    if (vec) {
+      if (8 * chunk < f.head_dim) {
+        const uint4 o = *reinterpret_cast<const uint4*>(out + tok * f.out_row_stride + 8 * chunk);
+        const uint4 g = *reinterpret_cast<const uint4*>(dout + tok * p.dout_row_stride + 8 * chunk);
+        const Element* oe = reinterpret_cast<const Element*>(&o);
+        const Element* ge = reinterpret_cast<const Element*>(&g);
+        CUTE_UNROLL
+        for (int e = 0; e < 8; ++e) sum[i] += float(oe[e]) * float(ge[e]);
       }
-      const float l = lse[tok];
-      lse2 = l == -INFINITY ? INFINITY : l * kLog2e;
+    } else {
+      for (int c = chunk; c < f.head_dim; c += 16) {
+        sum[i] += float(out[tok * f.out_row_stride + c]) * float(dout[tok * p.dout_row_stride + c]);
+      }
     }
+  }
+  // zero this block's dq_acc rows while the loads are in flight
+  float4* acc = reinterpret_cast<float4*>(p.dq_acc + ws * D);
+  CUTE_UNROLL
+  for (int i = threadIdx.x; i < kWorkspaceRows * D / 4; i += 256) {
+    acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  if (p.dq_semaphore != nullptr && threadIdx.x == 0) p.dq_semaphore[ws / kWorkspaceRows] = 0;
+  CUTE_UNROLL
+  for (int i = 0; i < kPasses; ++i) {
     CUTE_UNROLL
-    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
-    if (lane == 0) {
-      p.delta[ws + row] = sum;
-      p.lse2[ws + row] = lse2;
+    for (int o = 8; o > 0; o /= 2) sum[i] += __shfl_xor_sync(0xffffffff, sum[i], o);
+    const int r = 16 * i + 2 * warp + lane / 16;
+    if (chunk == 0) {
+      const int row = block_row + r;
+      float lse2 = INFINITY;
+      if (row < seq.seqlen_q) {
+        const float l = lse[seq.q_start + row];
+        lse2 = l == -INFINITY ? INFINITY : l * kLog2e;
+      }
+      p.delta[ws + r] = sum[i];
+      p.lse2[ws + r] = lse2;
     }
   }
 #endif
 }
 
-// dq = dq_acc * scale in q's dtype and dq's strides. dq_acc holds each 64-row block in the
-// order the main kernel's consumers hold their dQ fragments ([Note] dQ through shared memory);
-// thread t of this 128-thread CTA reads what consumer thread t wrote.
-template <class Traits>
+// dq = dq_acc * scale in q's dtype and dq's strides ([Note] Backward preprocess and cast).
+// dq_acc holds each 64-row block in the order the main kernel's consumers hold their dQ
+// fragments ([Note] dQ through shared memory): thread t of this 128-thread CTA reads what
+// consumer thread t wrote, and puts it into a row-major shared tile (rows padded by 8 floats, so
+// a warp's float2 stores are two conflict-free wavefronts).
+template <class Element, int D>
 __global__ void __launch_bounds__(128) bwd_dq_cast_kernel(const __grid_constant__ FlashBwdParams p,
-                                                          float scale) {
+                                                          float scale, bool vec) {
 #if defined(FLASH_HOPPER_DEVICE_PASS)
-  using Element = typename Traits::Element;
-  constexpr int D = Traits::kHeadDim, kGroups = Traits::kDqCols / 8;
+  constexpr int kDqCols = D / 2, kGroups = kDqCols / 8, kPitch = D + 8;
+  __shared__ __align__(16) float tile[kWorkspaceRows * kPitch];
   const FlashParams& f = p.fwd;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
@@ -216,21 +269,37 @@ __global__ void __launch_bounds__(128) bwd_dq_cast_kernel(const __grid_constant_
   Element* dq = static_cast<Element*>(p.dq) + int64_t(batch) * p.dq_batch_stride +
                 int64_t(head) * p.dq_head_stride;
   const int tid = threadIdx.x;
-  const int row0 = block_row + 16 * (tid / 32) + (tid % 32) / 4;
+  const int r0 = 16 * (tid / 32) + (tid % 32) / 4;
   const int col_lane = 2 * (tid % 4);
+  float4 v[D / 8];
+  CUTE_UNROLL
+  for (int i = 0; i < D / 8; ++i) v[i] = acc[i * 128 + tid];
   CUTE_UNROLL
   for (int i = 0; i < D / 8; ++i) {
-    const float4 v = acc[i * 128 + tid];
-    const int col = (i / kGroups) * Traits::kDqCols + 8 * (i % kGroups) + col_lane;
-    if (col >= f.head_dim) continue;
-    const float pair[2][2] = {{v.x, v.y}, {v.z, v.w}};
-    CUTE_UNROLL
-    for (int c1 = 0; c1 < 2; ++c1) {
-      const int row = row0 + 8 * c1;
-      if (row >= seq.seqlen_q) continue;
-      Element* dst = dq + int64_t(seq.q_start + row) * p.dq_row_stride + col;
-      dst[0] = Element(pair[c1][0] * scale);
-      dst[1] = Element(pair[c1][1] * scale);
+    const int col = (i / kGroups) * kDqCols + 8 * (i % kGroups) + col_lane;
+    *reinterpret_cast<float2*>(&tile[r0 * kPitch + col]) = make_float2(v[i].x, v[i].y);
+    *reinterpret_cast<float2*>(&tile[(r0 + 8) * kPitch + col]) = make_float2(v[i].z, v[i].w);
+  }
+  __syncthreads();
+  constexpr int kQuads = D / 4;  // four-column runs per row
+  CUTE_UNROLL
+  for (int idx = tid; idx < kWorkspaceRows * kQuads; idx += 128) {
+    const int r = idx / kQuads;
+    const int col = 4 * (idx % kQuads);
+    const int row = block_row + r;
+    if (row >= seq.seqlen_q || col >= f.head_dim) continue;
+    const float4 x = *reinterpret_cast<const float4*>(&tile[r * kPitch + col]);
+    Element* dst = dq + int64_t(seq.q_start + row) * p.dq_row_stride + col;
+    if (vec) {
+      __align__(8) Element quad[4] = {Element(x.x * scale), Element(x.y * scale),
+                                      Element(x.z * scale), Element(x.w * scale)};
+      *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(quad);
+    } else {
+      const float xs[4] = {x.x, x.y, x.z, x.w};
+      CUTE_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        if (col + e < f.head_dim) dst[e] = Element(xs[e] * scale);
+      }
     }
   }
 #endif

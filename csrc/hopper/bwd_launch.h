@@ -15,6 +15,7 @@ FwdStatus launch_bwd(const FlashBwdParams& p, cudaStream_t stream, char* why, in
   using Element = typename Traits::Element;
   const FlashParams& f = p.fwd;
   static_assert(Traits::kBlockM == kWorkspaceRows, "one workspace block per step");
+  static_assert(Traits::kDqCols == Traits::kHeadDim / 2, "the cast kernel's fragment order");
   if (p.dq_acc_cols != Traits::kHeadDim) {
     std::snprintf(why, why_len, "dq_acc has %d columns; head dim %d runs on the %d-column kernel",
                   p.dq_acc_cols, f.head_dim, Traits::kHeadDim);
@@ -38,7 +39,15 @@ FwdStatus launch_bwd(const FlashBwdParams& p, cudaStream_t stream, char* why, in
 
   const dim3 rows_grid((f.seqlen_q + kWorkspaceRows - 1) / kWorkspaceRows, f.heads_q, f.batch);
   const bool has_rows = rows_grid.x > 0;
-  if (has_rows) bwd_prep_kernel<Element><<<rows_grid, 256, 0, stream>>>(p);
+  // [Note] Backward preprocess and cast: wide accesses where the tensors allow them
+  const bool vec_in = vector_ok(f.out, f.out_row_stride, f.out_head_stride, f.out_batch_stride,
+                                f.head_dim, 8, sizeof(Element)) &&
+                      vector_ok(p.dout, p.dout_row_stride, p.dout_head_stride,
+                                p.dout_batch_stride, f.head_dim, 8, sizeof(Element));
+  const bool vec_dq = vector_ok(p.dq, p.dq_row_stride, p.dq_head_stride, p.dq_batch_stride,
+                                f.head_dim, 4, sizeof(Element));
+  constexpr int D = Traits::kHeadDim;
+  if (has_rows) bwd_prep_kernel<Element, D><<<rows_grid, 256, 0, stream>>>(p, vec_in);
   cudaError_t err = cudaGetLastError();
   auto kernel = bwd_kernel<Traits>;
   if (err == cudaSuccess) {
@@ -51,7 +60,7 @@ FwdStatus launch_bwd(const FlashBwdParams& p, cudaStream_t stream, char* why, in
     err = cudaGetLastError();
   }
   if (err == cudaSuccess && has_rows) {
-    bwd_dq_cast_kernel<Traits><<<rows_grid, 128, 0, stream>>>(p, f.scale);
+    bwd_dq_cast_kernel<Element, D><<<rows_grid, 128, 0, stream>>>(p, f.scale, vec_dq);
     err = cudaGetLastError();
   }
   if (err != cudaSuccess) {

@@ -262,8 +262,10 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
     lse2 = torch.empty(rows * heads, device=q.device, dtype=torch.float32)
     delta = torch.empty_like(lse2)
     kernel_dim = min(d for d in _COMPILED_BWD_HEAD_DIMS if d >= q.shape[-1])
-    dq_acc = torch.zeros(rows * heads, kernel_dim, device=q.device, dtype=torch.float32)
-    semaphore = (torch.zeros(rows * heads // _WORKSPACE_ROWS, device=q.device, dtype=torch.int32)
+    # uninitialised: the preprocess zeroes dq_acc and the semaphores (csrc/hopper/bwd_kernel.h,
+    # [Note] Backward preprocess and cast)
+    dq_acc = torch.empty(rows * heads, kernel_dim, device=q.device, dtype=torch.float32)
+    semaphore = (torch.empty(rows * heads // _WORKSPACE_ROWS, device=q.device, dtype=torch.int32)
                  if params.deterministic else None)
     _op("hopper_bwd")(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, dq_acc, lse2, delta,
                       semaphore, cu_seqlens_q, cu_seqlens_k, int(params.max_seqlen_q),
