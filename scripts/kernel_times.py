@@ -94,6 +94,8 @@ def main() -> int:
                 out = fwd()
 
                 def fn(out=out, grad_out=grad_out):
+                    for t in (q, k, v, qt, kt, vt):  # no gradient accumulation kernels
+                        t.grad = None
                     out.backward(grad_out, retain_graph=True)
             rows = _profile(fn, args.iters)
             total = sum(r[1] for r in rows)

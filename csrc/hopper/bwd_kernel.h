@@ -94,6 +94,29 @@ __device__ __forceinline__ void bulk_wait_all() {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+// [Note] Explicit shared-memory accesses
+// The consumers' own shared-memory traffic (lse2 and delta reads, the fp32 dQ tile's stores)
+// goes through these instead of plain C++ accesses: the shared-memory pointers are rebuilt from
+// an integer (the 1024-byte alignment of the base), so the compiler no longer knows they are
+// shared and emitted generic LD/ST. Those take the long-latency L1TEX path, and the async-proxy
+// fence after the dQ tile waited for them: the H200 profile put a fifth of all the kernel's stall
+// samples (idle producer warps included) on those loads and the two fences (benchmarks/NOTES.md,
+// session 10). Deriving the
+// base from the array instead keeps LDS/STS too, but raised the spills (24 -> 68 bytes at D=128).
+// The loads are volatile so that they stay where the code places them.
+__device__ __forceinline__ float2 ld_shared_float2(const float* p) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];"
+               : "=f"(v.x), "=f"(v.y) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+  return v;
+}
+
+__device__ __forceinline__ void st_shared_float4(float4* p, float x, float y, float z, float w) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};"
+               ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))), "f"(x), "f"(y), "f"(z),
+               "f"(w) : "memory");
+}
+
 __device__ __forceinline__ int load_acquire(const int* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -553,7 +576,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       for (int c1 = 0; c1 < 2; ++c1) {
         CUTE_UNROLL
         for (int g = 0; g < M / 8; ++g) {
-          const float2 lse2 = *reinterpret_cast<const float2*>(lse_s + 8 * g);
+          const float2 lse2 = ld_shared_float2(lse_s + 8 * g);
           float& x0 = tSrS(make_coord(0, c1, g), 0, 0);
           float& x1 = tSrS(make_coord(1, c1, g), 0, 0);
           x0 = exp2_approx(fmaf(x0, args.scale_log2, -lse2.x));
@@ -581,7 +604,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       for (int c1 = 0; c1 < 2; ++c1) {
         CUTE_UNROLL
         for (int g = 0; g < M / 8; ++g) {
-          const float2 delta = *reinterpret_cast<const float2*>(delta_s + 8 * g);
+          const float2 delta = ld_shared_float2(delta_s + 8 * g);
           CUTE_UNROLL
           for (int c0 = 0; c0 < 2; ++c0) {
             const auto at = make_coord(c0, c1, g);
@@ -638,9 +661,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       Barrier::arrive(&empty[st.stage]);
       CUTE_UNROLL
       for (int g = 0; g < Traits::kDqCols / 8; ++g) {
-        dq_tile[(wg * (Traits::kDqCols / 8) + g) * 128 + tid] =
-            make_float4(tQrDq(make_coord(0, 0, g), 0, 0), tQrDq(make_coord(1, 0, g), 0, 0),
-                        tQrDq(make_coord(0, 1, g), 0, 0), tQrDq(make_coord(1, 1, g), 0, 0));
+        st_shared_float4(&dq_tile[(wg * (Traits::kDqCols / 8) + g) * 128 + tid],
+                         tQrDq(make_coord(0, 0, g), 0, 0), tQrDq(make_coord(1, 0, g), 0, 0),
+                         tQrDq(make_coord(0, 1, g), 0, 0), tQrDq(make_coord(1, 1, g), 0, 0));
       }
       cutlass::arch::fence_view_async_shared();
       named_barrier_arrive(kDqFullBarrier, kDqThreads);  // the dQ warp sends the tile
