@@ -65,8 +65,6 @@ struct BwdArgs {
   float scale_log2;      // as FwdArgs
   float scale_over_cap;
   float grad_scale;      // softmax scale: dK and dQ are multiplied by it once
-  bool dq_red;           // consumers add their dQ halves with vector reductions ([Note] dQ by
-                         // vector reductions); else through the shared tile and the dQ warp
 };
 
 constexpr int kBwdProducerRegisters = 24;
@@ -117,12 +115,6 @@ __device__ __forceinline__ void st_shared_float4(float4* p, float x, float y, fl
   asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};"
                ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))), "f"(x), "f"(y), "f"(z),
                "f"(w) : "memory");
-}
-
-// dst[0..3] += (x, y, z, w) in L2, one vector reduction (no return value, no ordering).
-__device__ __forceinline__ void red_add_float4(float4* dst, float x, float y, float z, float w) {
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};"
-               ::"l"(dst), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
 }
 
 __device__ __forceinline__ int load_acquire(const int* p) {
@@ -371,7 +363,7 @@ __device__ __forceinline__ void bwd_dq_warp(const FlashBwdParams& p, const SeqIn
   const int group = f.heads_q / f.heads_kv;
   for (int j = 0; j < steps; ++j) {
     named_barrier_sync(kDqFullBarrier, kDqThreads);
-    if (lane == 0 && dq_tile != nullptr) {
+    if (lane == 0) {
       const int head = kv_head * group + j / m_count;
       const int q_lo = (m_min + j % m_count) * M;
       const int64_t ws_row = workspace_row(p, batch, head) + q_lo;
@@ -456,9 +448,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     cutlass::arch::warpgroup_reg_dealloc<kBwdProducerRegisters>();
     if (warp == 1 && steps > 0) {
       bwd_dq_warp<Traits>(p, seq, batch, kv_head, n_block, m_min, m_count, steps,
-                          args.dq_red ? nullptr
-                                      : reinterpret_cast<const float*>(smem + Traits::kOffsetDq),
-                          lane);
+                          reinterpret_cast<const float*>(smem + Traits::kOffsetDq), lane);
     }
     if (warp != 0 || !elect_one_sync() || steps == 0) return;
     prefetch_tma_descriptor(&args.tma_q);
@@ -532,8 +522,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       local_tile(sKt(_, _, 0), Shape<Int<Traits::kDqCols>, Int<N>>{}, make_coord(wg, 0)));
   Tensor tQrDq = partition_fragment_C(mma_dq, Shape<Int<M>, Int<Traits::kDqCols>>{});
   float4* dq_tile = reinterpret_cast<float4*>(smem + Traits::kOffsetDq);
-  // workspace row of the group's first query head; the next heads follow ws_rows apart
-  const int64_t ws_head0 = workspace_row(p, batch, kv_head * group);
 
   const int key_lo = n_block * N + wg * Traits::kKeysPerWarpgroup;  // this warpgroup's keys
   const int key0 = key_lo + 16 * warp + lane / 4;                   // this thread's first key
@@ -671,25 +659,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       warpgroup_fence_operand(tPa_words);
       warpgroup_fence_operand(tDsa_words);
       Barrier::arrive(&empty[st.stage]);
-      if (args.dq_red) {
-        // this step's 64-row block of dq_acc, in the tile's fragment order
-        float4* dst = reinterpret_cast<float4*>(
-            p.dq_acc + (ws_head0 + int64_t(j / m_count) * p.ws_rows + q_lo) * D);
-        CUTE_UNROLL
-        for (int g = 0; g < Traits::kDqCols / 8; ++g) {
-          red_add_float4(&dst[(wg * (Traits::kDqCols / 8) + g) * 128 + tid],
+      CUTE_UNROLL
+      for (int g = 0; g < Traits::kDqCols / 8; ++g) {
+        st_shared_float4(&dq_tile[(wg * (Traits::kDqCols / 8) + g) * 128 + tid],
                          tQrDq(make_coord(0, 0, g), 0, 0), tQrDq(make_coord(1, 0, g), 0, 0),
                          tQrDq(make_coord(0, 1, g), 0, 0), tQrDq(make_coord(1, 1, g), 0, 0));
-        }
-      } else {
-        CUTE_UNROLL
-        for (int g = 0; g < Traits::kDqCols / 8; ++g) {
-          st_shared_float4(&dq_tile[(wg * (Traits::kDqCols / 8) + g) * 128 + tid],
-                           tQrDq(make_coord(0, 0, g), 0, 0), tQrDq(make_coord(1, 0, g), 0, 0),
-                           tQrDq(make_coord(0, 1, g), 0, 0), tQrDq(make_coord(1, 1, g), 0, 0));
-        }
-        cutlass::arch::fence_view_async_shared();
       }
+      cutlass::arch::fence_view_async_shared();
       named_barrier_arrive(kDqFullBarrier, kDqThreads);  // the dQ warp sends the tile
       st.advance();
     }

@@ -6,9 +6,6 @@
 // fwd_launch.h first: it includes <cudaTypedefs.h> before the CuTe headers
 #include "fwd_launch.h"
 #include "bwd_kernel.h"
-
-#include <cstdlib>
-#include <cstring>
 #include "bwd_run.h"
 
 namespace flash::hopper {
@@ -39,11 +36,6 @@ FwdStatus launch_bwd(const FlashBwdParams& p, cudaStream_t stream, char* why, in
   }
   score_scales<Traits::kSoftcap>(f, args.scale_log2, args.scale_over_cap);
   args.grad_scale = f.scale;
-  // deterministic mode orders the adds through the dQ warp; else the consumers reduce directly
-  // unless told otherwise ([Note] dQ by vector reductions)
-  const char* dq_reduce = std::getenv("FLASH_ATTN_HUB_DQ_REDUCE");
-  args.dq_red = p.dq_semaphore == nullptr &&
-                !(dq_reduce != nullptr && std::strcmp(dq_reduce, "bulk") == 0);
 
   const dim3 rows_grid((f.seqlen_q + kWorkspaceRows - 1) / kWorkspaceRows, f.heads_q, f.batch);
   const bool has_rows = rows_grid.x > 0;
