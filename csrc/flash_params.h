@@ -88,6 +88,14 @@ struct FlashBwdParams {
   int64_t ws_rows;
   int dq_acc_cols;  // the compiled head dim the call runs on (>= head_dim)
   int* dq_semaphore;  // deterministic mode: one int per workspace block (zeroed by the preprocess); else null
+  // [Note] Backward group split: with group_splits > 1, the CTAs of a kv head each take
+  // group / group_splits of its query heads and write fp32 partial dK (scaled) and dV into
+  // dkv_partial, (2, group_splits, ...k's shape...), contiguous; the caller sums the splits.
+  // Strides in elements, for one split's slice (k's layout); dv's half is one `part_half` on.
+  float* dkv_partial;
+  int group_splits;
+  int64_t part_split_stride, part_half_stride, part_batch_stride, part_row_stride,
+      part_head_stride;
 };
 
 // Runs the sm90 forward on `stream` (a cudaStream_t). On failure returns the status and writes a

@@ -149,6 +149,41 @@ def test_gqa(cuda_backend, attn_params, hq, hkv, causal):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("case,splits", [("mqa_causal", 4), ("gqa4_band", 2), ("mqa_full", 8),
+                                         ("varlen_mqa_causal", 2), ("deterministic_mqa", 4)])
+def test_group_split(cuda_backend, attn_params, monkeypatch, case, splits):
+    """[Note: CUDA group split]: each kv head's query heads over `splits` CTAs, partial dK/dV
+    summed by the caller; held to the reference, and bitwise reproducible in deterministic mode
+    (the switch forced on, so the test keeps its meaning whatever the default)."""
+    monkeypatch.setattr(cuda_backend, "GROUP_SPLIT", True)
+    chosen = []
+    monkeypatch.setattr(cuda_backend, "group_splits", lambda *a: chosen.append(splits) or splits)
+    cu_q = cu_k = None
+    if case == "varlen_mqa_causal":
+        torch.manual_seed(41)
+        q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv([300, 0, 1, 513], [300, 7, 1, 600],
+                                                            8, 1, 128, device="cuda")
+        params = backend_params(attn_params, 128, causal=True, max_q=max_q, max_k=max_k)
+    else:
+        hkv = 2 if case == "gqa4_band" else 1
+        window = {"mqa_causal": (-1, 0), "gqa4_band": (65, 9), "mqa_full": (-1, -1),
+                  "deterministic_mqa": (-1, 0)}[case]
+        q, k, v = seeded_cuda_qkv(2, 300, 413, 8, hkv, 128, seed=43)
+        params = backend_params(attn_params, 128, causal=window == (-1, 0), window=window,
+                                max_q=300, max_k=413, deterministic=case == "deterministic_mqa")
+    _check(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k, label=case)
+    assert chosen == [splits], "the split launch did not run"
+    if params.deterministic:
+        out, lse = run_forward(cuda_backend, q, k, v, params=params)
+        dout = torch.randn_like(out)
+        runs = [run_backward(cuda_backend, dout, q, k, v, out, lse, params=params)
+                for _ in range(2)]
+        for name in ("dq", "dk", "dv"):
+            assert torch.equal(runs[0][name], runs[1][name]), f"{name} differs between two runs"
+
+
+@pytest.mark.gpu
+@needs_sm90
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (33, 7)], ids=["full", "causal", "band"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_varlen_with_empty_sequences(cuda_backend, attn_params, window, d):

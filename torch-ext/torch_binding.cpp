@@ -213,7 +213,8 @@ void hopper_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor ls
                 Tensor dk, Tensor dv, Tensor dq_acc, Tensor lse2, Tensor delta,
                 std::optional<Tensor> dq_semaphore, std::optional<Tensor> cu_seqlens_q,
                 std::optional<Tensor> cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-                double scale, int64_t window_left, int64_t window_right, double softcap) {
+                double scale, int64_t window_left, int64_t window_right, double softcap,
+                std::optional<Tensor> dkv_partial) {
   constexpr const char* op = "hopper_bwd";
   flash::FlashBwdParams b{};
   b.fwd = forward_params(op, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -282,6 +283,27 @@ void hopper_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor ls
                     "workspace rows");
     b.dq_semaphore = static_cast<int*>(sem.mutable_data_ptr());
   }
+  // [Note] Backward group split in csrc/flash_params.h
+  b.group_splits = 1;
+  if (dkv_partial.has_value()) {
+    const Tensor& part = *dkv_partial;
+    bool shape_ok = part.dim() == dims + 2 && part.size(0) == 2 && part.size(1) >= 1;
+    for (int64_t i = 0; shape_ok && i < dims; ++i) shape_ok = part.size(i + 2) == k.size(i);
+    STD_TORCH_CHECK(part.is_cuda() && part.scalar_type() == ScalarType::Float &&
+                        part.is_contiguous() && shape_ok,
+                    op, ": dkv_partial must be a contiguous float32 CUDA tensor of shape "
+                    "(2, group_splits, *k.shape)");
+    const int64_t splits = part.size(1);
+    STD_TORCH_CHECK((p.heads_q / p.heads_kv) % splits == 0, op, ": dkv_partial's group_splits (",
+                    splits, ") must divide Hq / Hkv = ", p.heads_q / p.heads_kv);
+    b.dkv_partial = static_cast<float*>(part.mutable_data_ptr());
+    b.group_splits = static_cast<int>(splits);
+    b.part_half_stride = part.stride(0);
+    b.part_split_stride = part.stride(1);
+    b.part_row_stride = part.stride(-3);
+    b.part_head_stride = part.stride(-2);
+    b.part_batch_stride = dims == 4 ? part.stride(2) : 0;
+  }
   const int32_t device = q.get_device_index();
   torch::stable::accelerator::DeviceGuard guard(device);
   char why[256] = {0};
@@ -296,7 +318,8 @@ STABLE_TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
         "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor(d!) dq_acc, Tensor(e!) lse2, "
         "Tensor(f!) delta, Tensor(g!)? dq_semaphore, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
         "int max_seqlen_q, "
-        "int max_seqlen_k, float scale, int window_left, int window_right, float softcap) -> ()");
+        "int max_seqlen_k, float scale, int window_left, int window_right, float softcap, "
+        "Tensor(h!)? dkv_partial=None) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CUDA, m) {

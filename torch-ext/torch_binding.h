@@ -16,9 +16,12 @@ void hopper_fwd(torch::stable::Tensor q, torch::stable::Tensor k, torch::stable:
                 double softcap);
 
 // hopper_bwd: sm90 backward into caller-allocated dq / dk / dv, with the fp32 workspaces dq_acc
-// (zeroed; as many columns as the compiled head dim the call runs on), lse2 and delta laid out
-// as [Note] Backward workspaces in csrc/flash_params.h says; dq_semaphore (zeroed int32, one per
-// 64 workspace rows) makes dq bitwise reproducible.
+// (as many columns as the compiled head dim the call runs on; zeroed by the kernel), lse2 and
+// delta laid out as [Note] Backward workspaces in csrc/flash_params.h says; dq_semaphore (int32,
+// one per 64 workspace rows) makes dq bitwise reproducible. With dkv_partial (fp32,
+// (2, group_splits, *k.shape)), each kv head's query heads are split over group_splits CTAs
+// that write partial dK / dV there instead of into dk / dv; the caller sums them ([Note]
+// Backward group split).
 void hopper_bwd(torch::stable::Tensor dout, torch::stable::Tensor q, torch::stable::Tensor k,
                 torch::stable::Tensor v, torch::stable::Tensor out, torch::stable::Tensor lse,
                 torch::stable::Tensor dq, torch::stable::Tensor dk, torch::stable::Tensor dv,
@@ -28,4 +31,4 @@ void hopper_bwd(torch::stable::Tensor dout, torch::stable::Tensor q, torch::stab
                 std::optional<torch::stable::Tensor> cu_seqlens_q,
                 std::optional<torch::stable::Tensor> cu_seqlens_k, int64_t max_seqlen_q,
                 int64_t max_seqlen_k, double scale, int64_t window_left, int64_t window_right,
-                double softcap);
+                double softcap, std::optional<torch::stable::Tensor> dkv_partial);

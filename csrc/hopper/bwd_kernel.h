@@ -3,7 +3,10 @@
 // Glossary
 //   CTA          one (key block of kBlockN keys, kv head, batch); its dK and dV stay in registers
 //                and are written once, so GQA's sum over the query heads of a kv head happens
-//                inside the CTA (no Hq-sized buffer, no reduction op)
+//                inside the CTA (no Hq-sized buffer, no reduction op). With a group split
+//                ([Note] Backward group split in csrc/flash_params.h) one of group_splits CTAs
+//                of that key block, each over its share of the query heads, writing fp32
+//                partials the caller sums
 //   step         one (query head of the group, query block of kBlockM rows) the CTA visits
 //   producer     warpgroup 0, warp 0: one elected thread issues the copy-engine loads of K and V
 //                (once) and of Q, dO, lse2, delta (per step, kStages deep)
@@ -328,7 +331,8 @@ __global__ void __launch_bounds__(128) bwd_dq_cast_kernel(const __grid_constant_
 #endif
 }
 
-// Writes a 64-row accumulator (rows = this warpgroup's keys) to dst rows [row_lo, ...) in pairs.
+// Writes a 64-row accumulator (rows = this warpgroup's keys) to dst rows [row_lo, ...) in pairs
+// (of Element, or of fp32 when Element is float).
 template <class Element, int D, class Frag>
 __device__ __forceinline__ void store_rows(const Frag& acc, float mul, Element* dst,
                                            int64_t row_stride, int row0, int row_start,
@@ -342,9 +346,15 @@ __device__ __forceinline__ void store_rows(const Frag& acc, float mul, Element* 
     for (int g = 0; g < D / 8; ++g) {
       const int col = 8 * g + col_lane;
       if (col < head_dim) {
-        __align__(4) Element pair[2] = {Element(acc(cute::make_coord(0, c1, g), 0, 0) * mul),
-                                        Element(acc(cute::make_coord(1, c1, g), 0, 0) * mul)};
-        *reinterpret_cast<uint32_t*>(out_row + col) = *reinterpret_cast<uint32_t*>(pair);
+        if constexpr (std::is_same_v<Element, float>) {  // a group split's fp32 partial
+          *reinterpret_cast<float2*>(out_row + col) =
+              make_float2(acc(cute::make_coord(0, c1, g), 0, 0) * mul,
+                          acc(cute::make_coord(1, c1, g), 0, 0) * mul);
+        } else {
+          __align__(4) Element pair[2] = {Element(acc(cute::make_coord(0, c1, g), 0, 0) * mul),
+                                          Element(acc(cute::make_coord(1, c1, g), 0, 0) * mul)};
+          *reinterpret_cast<uint32_t*>(out_row + col) = *reinterpret_cast<uint32_t*>(pair);
+        }
       }
     }
   }
@@ -356,15 +366,14 @@ __device__ __forceinline__ void store_rows(const Frag& acc, float mul, Element* 
 // memory, [Note] Deterministic dQ).
 template <class Traits>
 __device__ __forceinline__ void bwd_dq_warp(const FlashBwdParams& p, const SeqInfo& seq, int batch,
-                                            int kv_head, int n_block, int m_min, int m_count,
+                                            int head0, int n_block, int m_min, int m_count,
                                             int steps, const float* dq_tile, int lane) {
   constexpr int M = Traits::kBlockM;
   const FlashParams& f = p.fwd;
-  const int group = f.heads_q / f.heads_kv;
   for (int j = 0; j < steps; ++j) {
     named_barrier_sync(kDqFullBarrier, kDqThreads);
     if (lane == 0) {
-      const int head = kv_head * group + j / m_count;
+      const int head = head0 + j / m_count;
       const int q_lo = (m_min + j % m_count) * M;
       const int64_t ws_row = workspace_row(p, batch, head) + q_lo;
       int* turn = p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + ws_row / M;
@@ -404,7 +413,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   const FlashParams& f = p.fwd;
 
   const int n_block = blockIdx.x;  // causal: the first key blocks see the most queries, go first
-  const int kv_head = blockIdx.y;
+  // [Note] Backward group split: blockIdx.y = kv head * group_splits + split
+  const int kv_head = blockIdx.y / p.group_splits;
+  const int split = blockIdx.y % p.group_splits;
   const int batch = blockIdx.z;
   const SeqInfo seq(f, batch);
   if (n_block * N >= seq.seqlen_k) return;  // varlen: this sequence is shorter than the grid
@@ -413,7 +424,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   query_block_range<Traits>(f, n_block * N, min(n_block * N + N, seq.seqlen_k) - 1, seq.seqlen_q,
                             seq.seqlen_k, m_min, m_max);
   const int m_count = max(m_max - m_min, 0);
-  const int steps = group * m_count;
+  const int heads_per_split = group / p.group_splits;
+  const int head0 = kv_head * group + split * heads_per_split;  // this CTA's first query head
+  const int steps = heads_per_split * m_count;
 
   extern __shared__ char smem_raw[];
   char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -447,7 +460,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kBwdProducerRegisters>();
     if (warp == 1 && steps > 0) {
-      bwd_dq_warp<Traits>(p, seq, batch, kv_head, n_block, m_min, m_count, steps,
+      bwd_dq_warp<Traits>(p, seq, batch, head0, n_block, m_min, m_count, steps,
                           reinterpret_cast<const float*>(smem + Traits::kOffsetDq), lane);
     }
     if (warp != 0 || !elect_one_sync() || steps == 0) return;
@@ -461,7 +474,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     load_tile<Traits>(&args.tma_v, bar_kv, smem_v, N, key_row, kv_head, seq.tma_batch);
     PipelineState<Traits> st;
     for (int j = 0; j < steps; ++j) {
-      const int head = kv_head * group + j / m_count;
+      const int head = head0 + j / m_count;
       const int m = m_min + j % m_count;
       const int q_row = seq.q_start + m * M;
       const int64_t ws = workspace_row(p, batch, head) + m * M;
@@ -675,6 +688,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   const int rows_valid = seq.seqlen_k - (n_block * N + wg * Traits::kKeysPerWarpgroup);
   const int row_start = seq.k_start + n_block * N + wg * Traits::kKeysPerWarpgroup;
   const int r0 = 16 * warp + lane / 4;
+  if (p.dkv_partial != nullptr) {  // [Note] Backward group split: this split's fp32 partials
+    float* dk = p.dkv_partial + split * p.part_split_stride + int64_t(batch) * p.part_batch_stride +
+                int64_t(kv_head) * p.part_head_stride;
+    store_rows<float, D>(tDkrDk, args.grad_scale, dk, p.part_row_stride, r0, row_start,
+                         rows_valid, f.head_dim, col_lane);
+    store_rows<float, D>(tDvrDv, 1.f, dk + p.part_half_stride, p.part_row_stride, r0, row_start,
+                         rows_valid, f.head_dim, col_lane);
+    return;
+  }
   Element* dk = static_cast<Element*>(p.dk) + int64_t(batch) * p.dk_batch_stride +
                 int64_t(kv_head) * p.dk_head_stride;
   Element* dv = static_cast<Element*>(p.dv) + int64_t(batch) * p.dv_batch_stride +

@@ -21,6 +21,13 @@ FwdStatus launch_bwd(const FlashBwdParams& p, cudaStream_t stream, char* why, in
                   p.dq_acc_cols, f.head_dim, Traits::kHeadDim);
     return FwdStatus::kUnsupportedShape;
   }
+  const int group = f.heads_kv > 0 ? f.heads_q / f.heads_kv : 0;
+  if (p.group_splits < 1 || group % p.group_splits != 0 ||
+      (p.group_splits > 1 && p.dkv_partial == nullptr)) {
+    std::snprintf(why, why_len, "group_splits %d must divide Hq / Hkv = %d (and needs dkv_partial)",
+                  p.group_splits, group);
+    return FwdStatus::kUnsupportedShape;
+  }
   BwdArgs args;
   args.p = p;
   const TensorView4d q = row_view(f, true, f.q, f.q_row_stride, f.q_head_stride, f.q_batch_stride);
@@ -55,7 +62,9 @@ FwdStatus launch_bwd(const FlashBwdParams& p, cudaStream_t stream, char* why, in
                                Traits::kSmemBytes);
   }
   if (err == cudaSuccess && f.seqlen_k > 0) {
-    const dim3 grid((f.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, f.heads_kv, f.batch);
+    // [Note] Backward group split: group_splits CTAs per (key block, kv head, batch)
+    const dim3 grid((f.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN,
+                    f.heads_kv * p.group_splits, f.batch);
     kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
     err = cudaGetLastError();
   }

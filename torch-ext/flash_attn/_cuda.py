@@ -224,6 +224,31 @@ def forward(q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slope
           int(params.window_right), float(params.softcap))
 
 
+# [Note: CUDA group split] (csrc/flash_params.h, [Note] Backward group split) The backward's grid
+# is one CTA per (128-key block, kv head, batch), each looping over its kv head's query heads.
+# With few kv heads (MQA, high GQA ratios) that grid is short of the SMs, and under a band its
+# CTAs' work is uneven (the first key block of a causal mask sees every query, the last a few):
+# MQA 32/1 causal ran at 0.54-0.69x cuDNN on the H200 against 0.96-0.99x for 32/8. The launch
+# then splits each kv head's query heads over group_splits CTAs, chosen by the Triton backward's
+# rule (``_triton_bwd.dkdv_group_splits``, [Note: group split] there: the smallest power of two
+# that brings the grid to 4 CTAs per SM under a band, 0.9 of a wave without one), and each
+# writes fp32 partial dK/dV into a (2, splits, *k.shape) buffer that torch sums in a fixed order.
+# GROUP_SPLIT stays False until tests/test_cuda_bwd.py::test_group_split has passed on an sm90
+# GPU.
+GROUP_SPLIT = False
+
+
+def group_splits(q: torch.Tensor, k: torch.Tensor, params: AttnParams) -> int:
+    """Query-head parts per kv head for the backward's launch ([Note: CUDA group split])."""
+    from ._triton_bwd import dkdv_group_splits
+    group = q.shape[-2] // k.shape[-2]
+    batch = 1 if q.dim() == 3 else q.shape[0]  # varlen: the packed length stands for it
+    rows = params.max_seqlen_k if q.dim() == 4 else k.shape[0]
+    ctas = -(-rows // 128) * k.shape[-2] * batch
+    banded = params.window_left >= 0 or params.window_right >= 0
+    return dkdv_group_splits(ctas, group, _sm_count(q.device), banded=banded)
+
+
 def _workspace_rows(q: torch.Tensor, cu_seqlens_q) -> tuple[int, int]:
     """``(rows per (batch,) head, number of (batch,) heads)`` of the backward workspaces."""
     w = _WORKSPACE_ROWS
@@ -267,10 +292,17 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
     dq_acc = torch.empty(rows * heads, kernel_dim, device=q.device, dtype=torch.float32)
     semaphore = (torch.empty(rows * heads // _WORKSPACE_ROWS, device=q.device, dtype=torch.int32)
                  if params.deterministic else None)
+    splits = group_splits(q, k, params) if GROUP_SPLIT else 1
+    partial = (torch.empty((2, splits, *k.shape), device=k.device, dtype=torch.float32)
+               if splits > 1 else None)
     _op("hopper_bwd")(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, dq_acc, lse2, delta,
                       semaphore, cu_seqlens_q, cu_seqlens_k, int(params.max_seqlen_q),
                       int(params.max_seqlen_k), float(params.softmax_scale),
-                      int(params.window_left), int(params.window_right), float(params.softcap))
+                      int(params.window_left), int(params.window_right), float(params.softcap),
+                      partial)
+    if partial is not None:  # a fixed order over the splits: still bitwise reproducible
+        dk.copy_(partial[0].sum(0))
+        dv.copy_(partial[1].sum(0))
     if ds_aux is not None:
         from ._triton_bwd import sink_gradient
         ds_aux.copy_(sink_gradient(s_aux, lse, _unpadded(delta, q, cu_seqlens_q, rows),
