@@ -37,8 +37,11 @@ BWD_VALIDATED = True
 # [Note: small banded grids] One CTA per (128 keys, kv head, batch): MQA and high GQA ratios
 # give few CTAs, and a causal band makes their work uneven, so the GPU idles while the longest
 # finish (H200, MQA 32/1 causal 4k/16k: 211-235 TFLOP/s against the Triton backward's 356-397,
-# whose launch splits the query-head group). Below SMALL_GRID_WAVES CTAs per SM under a band,
-# the CUDA backward declines and the dispatcher runs Triton. (Head dims up to 64 under a band
+# whose launch splits the query-head group). The CUDA launch now splits the group too ([Note:
+# CUDA group split]: MQA causal 432-521 TFLOP/s at 4k/16k); where even the split grid stays
+# below SMALL_GRID_WAVES CTAs per SM under a band (a small batch of few heads with no group to
+# split), the CUDA backward declines and the dispatcher runs Triton, as before the split
+# (untimed since). (Head dims up to 64 under a band
 # went to Triton too until the dS^T stores moved to stmatrix: the H200 now measures D=64 causal
 # 4k/16k at CUDA 283/365 TFLOP/s against Triton's 278/326.)
 SMALL_GRID_WAVES = 4
@@ -111,12 +114,14 @@ def backward_prefers_triton(q: torch.Tensor, k: torch.Tensor, params: AttnParams
     batch = 1 if q.dim() == 3 else q.shape[0]  # varlen: the packed length stands for it
     rows = params.max_seqlen_k if q.dim() == 4 else k.shape[0]
     ctas = -(-rows // 128) * k.shape[-2] * batch
+    if GROUP_SPLIT:
+        ctas *= group_splits(q, k, params)
     sms = _sm_count(q.device)
     if ctas >= SMALL_GRID_WAVES * sms:
         return None
     # no shape in the text: the dispatcher logs each distinct reason once
     return (f"a banded backward with under {SMALL_GRID_WAVES} CTAs per SM is faster on the "
-            f"Triton backward, which splits the query-head group")
+            f"Triton backward")
 
 
 @functools.lru_cache(maxsize=None)
@@ -233,9 +238,10 @@ def forward(q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slope
 # rule (``_triton_bwd.dkdv_group_splits``, [Note: group split] there: the smallest power of two
 # that brings the grid to 4 CTAs per SM under a band, 0.9 of a wave without one), and each
 # writes fp32 partial dK/dV into a (2, splits, *k.shape) buffer that torch sums in a fixed order.
-# GROUP_SPLIT stays False until tests/test_cuda_bwd.py::test_group_split has passed on an sm90
-# GPU.
-GROUP_SPLIT = False
+# H200, MQA 32/1 D=128 causal backward 1k/4k/16k: 212/264/285 -> 292/432/521 TFLOP/s
+# (0.54-0.69x -> 0.96-1.00x cuDNN); without a mask the grid already fills one wave and no split
+# is taken. tests/test_cuda_bwd.py::test_group_split checks it against the reference.
+GROUP_SPLIT = True
 
 
 def group_splits(q: torch.Tensor, k: torch.Tensor, params: AttnParams) -> int:
