@@ -351,6 +351,24 @@ def test_small_banded_grids_prefer_triton(cuda_backend, attn_params):
     assert cuda_backend.backward_prefers_triton(q_small, q_small, small_causal)
 
 
+def test_group_split_counts(cuda_backend, attn_params, monkeypatch):
+    """[Note: CUDA group split]'s choice on an H200-sized GPU (132 SMs; CPU tensors, so the SM
+    count is patched): MQA 32/1 causal at 4k x 4 (128 CTAs) splits 8 ways to reach 4 CTAs per
+    SM; without a mask it does not split (0.9 of a wave already); GQA 32/8 causal (1024 CTAs)
+    does not; varlen counts the packed length as one sequence."""
+    monkeypatch.setattr(cuda_backend, "_sm_count", lambda device: 132)
+    q = torch.empty(4, 4096, 32, 128)
+    k_mqa, k_gqa = torch.empty(4, 4096, 1, 128), torch.empty(4, 4096, 8, 128)
+    causal = backend_params(attn_params, 128, causal=True, max_q=4096, max_k=4096)
+    full = backend_params(attn_params, 128, max_q=4096, max_k=4096)
+    assert cuda_backend.group_splits(q, k_mqa, causal) == 8
+    assert cuda_backend.group_splits(q, k_mqa, full) == 1
+    assert cuda_backend.group_splits(q, k_gqa, causal) == 1
+    q_var, k_var = torch.empty(8192, 32, 128), torch.empty(8192, 1, 128)
+    varlen = backend_params(attn_params, 128, causal=True, max_q=4096, max_k=4096)
+    assert cuda_backend.group_splits(q_var, k_var, varlen) == 16  # 64 CTAs -> 1024
+
+
 def test_banded_small_head_dims_stay_on_cuda(cuda_backend, attn_params):
     """A band at head dim 64 on a large grid stays on the CUDA backward (it measured faster
     than Triton once dS^T went through stmatrix); CPU tensors: the SM count is 1, so only a

@@ -111,9 +111,7 @@ def backward_prefers_triton(q: torch.Tensor, k: torch.Tensor, params: AttnParams
     ([Note: small banded grids]); ``FLASH_ATTN_HUB_BACKEND=cuda`` still runs it here."""
     if params.window_left < 0 and params.window_right < 0:
         return None
-    batch = 1 if q.dim() == 3 else q.shape[0]  # varlen: the packed length stands for it
-    rows = params.max_seqlen_k if q.dim() == 4 else k.shape[0]
-    ctas = -(-rows // 128) * k.shape[-2] * batch
+    ctas = _backward_ctas(q, k, params)
     if GROUP_SPLIT:
         ctas *= group_splits(q, k, params)
     sms = _sm_count(q.device)
@@ -247,12 +245,16 @@ GROUP_SPLIT = True
 def group_splits(q: torch.Tensor, k: torch.Tensor, params: AttnParams) -> int:
     """Query-head parts per kv head for the backward's launch ([Note: CUDA group split])."""
     from ._triton_bwd import dkdv_group_splits
-    group = q.shape[-2] // k.shape[-2]
+    banded = params.window_left >= 0 or params.window_right >= 0
+    return dkdv_group_splits(_backward_ctas(q, k, params), q.shape[-2] // k.shape[-2],
+                             _sm_count(q.device), banded=banded)
+
+
+def _backward_ctas(q: torch.Tensor, k: torch.Tensor, params: AttnParams) -> int:
+    """CTAs of the backward's launch without a group split: one per (128 keys, kv head, batch)."""
     batch = 1 if q.dim() == 3 else q.shape[0]  # varlen: the packed length stands for it
     rows = params.max_seqlen_k if q.dim() == 4 else k.shape[0]
-    ctas = -(-rows // 128) * k.shape[-2] * batch
-    banded = params.window_left >= 0 or params.window_right >= 0
-    return dkdv_group_splits(ctas, group, _sm_count(q.device), banded=banded)
+    return -(-rows // 128) * k.shape[-2] * batch
 
 
 def _workspace_rows(q: torch.Tensor, cu_seqlens_q) -> tuple[int, int]:
