@@ -10,14 +10,10 @@ against the work around them (workspace fills, preprocess, dQ cast, copies).
 
 from __future__ import annotations
 
-import argparse
-import os
 from collections import defaultdict
-from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
+from profile_kernels import load_workload, workload_parser
 
 
 def _profile(fn, iters: int) -> list[tuple[str, float, int]]:
@@ -41,33 +37,17 @@ def _profile(fn, iters: int) -> list[tuple[str, float, int]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernel-dir", type=Path, default=ROOT / "build",
-                        help="folder holding build/<variant>/")
-    parser.add_argument("--backend", default="cuda", choices=("cuda", "triton"))
-    parser.add_argument("--seqlen", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--heads", default="16/16", help="HQ/HKV")
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--causal", action="store_true")
+    parser = workload_parser(__doc__)
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("kernel_times.py needs a CUDA GPU")
         return 2
-    os.environ["FLASH_ATTN_HUB_BACKEND"] = args.backend
-    import kernels
     import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    flash_attn = kernels.get_local_kernel(args.kernel_dir.resolve().parent)
-
-    hq, hkv = (int(x) for x in args.heads.split("/"))
+    flash_attn, q, k, v, dout = load_workload(args)
     b, s, d = args.batch, args.seqlen, args.head_dim
-    torch.manual_seed(0)
-    q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            for _ in range(2))
-    dout = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16)
+    hq, hkv = q.shape[2], k.shape[2]
     flops = 4 * b * hq * s * s * d / (2 if args.causal else 1)
 
     def ours_fwd():

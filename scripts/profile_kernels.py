@@ -19,8 +19,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def workload_parser(doc: str) -> argparse.ArgumentParser:
+    """The command line of one bf16 attention workload (shared with kernel_times.py)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--kernel-dir", type=Path, default=ROOT / "build",
                         help="folder holding build/<variant>/")
     parser.add_argument("--backend", default="cuda", choices=("cuda", "triton"))
@@ -29,14 +30,15 @@ def main() -> int:
     parser.add_argument("--heads", default="16/16", help="HQ/HKV")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--causal", action="store_true")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("profile_kernels.py needs a CUDA GPU")
-        return 2
+    return parser
+
+
+def load_workload(args):
+    """``(flash_attn, q, k, v, dout)``: our build from ``--kernel-dir`` on ``--backend``, and
+    seeded bf16 inputs of the workload (q, k, v requiring grad)."""
     os.environ["FLASH_ATTN_HUB_BACKEND"] = args.backend
     import kernels
     flash_attn = kernels.get_local_kernel(args.kernel_dir.resolve().parent)
-
     hq, hkv = (int(x) for x in args.heads.split("/"))
     b, s, d = args.batch, args.seqlen, args.head_dim
     torch.manual_seed(0)
@@ -44,6 +46,17 @@ def main() -> int:
     k, v = (torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             for _ in range(2))
     dout = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16)
+    return flash_attn, q, k, v, dout
+
+
+def main() -> int:
+    args = workload_parser(__doc__).parse_args()
+    if not torch.cuda.is_available():
+        print("profile_kernels.py needs a CUDA GPU")
+        return 2
+    flash_attn, q, k, v, dout = load_workload(args)
+    b, s, d = args.batch, args.seqlen, args.head_dim
+    hq, hkv = q.shape[2], k.shape[2]
     for _ in range(2):
         out = flash_attn.flash_attn_func(q, k, v, causal=args.causal)
         torch.autograd.grad(out, (q, k, v), dout)
