@@ -3,7 +3,7 @@
 # tests, benchmark against the peers, publish to an embedded Hub and load it
 # back, and train. Phases run in the order given (default: all but train):
 #
-#   bash scripts/gpu_run.sh [setup] [build] [cudafwd] [cudabwd] [sanitize] [test] [tune] [profile] [bench] [hub] [train]
+#   bash scripts/gpu_run.sh [setup] [build] [cudafwd] [cudabwd] [sanitize] [test] [tune] [ktimes] [profile] [bench] [hub] [train]
 #
 # train loads ours from the embedded Hub that hub publishes to, so hub goes before it.
 #
@@ -102,6 +102,18 @@ for phase in "${phases[@]}"; do
       run_phase tune-bwd timeout "${TUNE_TIMEOUT:-300}" python3 benchmarks/tune_triton_bwd.py \
         ${TUNE_ARGS:---quick} --out "$OUT/tune/triton_bwd.json"
       ;;
+    ktimes)
+      # GPU time per kernel of ours against SDPA cuDNN (scripts/kernel_times.py); KT_ARGS holds
+      # workloads separated by ";", e.g. "--seqlen 1024 --batch 16 --heads 32/8; --causal".
+      IFS=';' read -ra kt_sets <<< "${KT_ARGS:-}"
+      [[ ${#kt_sets[@]} -eq 0 ]] && kt_sets=("")
+      for args in "${kt_sets[@]}"; do
+        # shellcheck disable=SC2086
+        timeout 300 python3 scripts/kernel_times.py --kernel-dir build --iters 10 $args \
+          >>"$OUT/kernel_times.log" 2>&1 || { log "kernel_times failed: $args"; status=1; }
+      done
+      grep -E '^(B=|ours|sdpa)' "$OUT/kernel_times.log"
+      ;;
     profile)
       # Nsight Compute counters of the sm90 forward and backward kernels (second launch of each)
       # on D=128 S=4k, full and causal. PROFILE_ARGS adds profile_kernels.py flags
@@ -109,10 +121,22 @@ for phase in "${phases[@]}"; do
       sections=${NCU_SECTIONS:-SpeedOfLight ComputeWorkloadAnalysis MemoryWorkloadAnalysis WarpStateStats SchedulerStats Occupancy}
       ncu_args=(--clock-control none -k 'regex:fwd_kernel|bwd_kernel' --launch-skip 2 --launch-count 2)
       for section in $sections; do ncu_args+=(--section "$section"); done
+      # PROFILE_SOURCE=1: also each kernel's stall samples per SASS instruction, as CSV under
+      # $OUT/profile/ (the report is written to a file, then printed and exported from it)
+      [[ ${PROFILE_SOURCE:-0} == 1 ]] && ncu_args+=(--section SourceCounters) && mkdir -p "$OUT/profile"
       for mask in "" --causal; do
+        name="profile${mask:+-causal}"
+        report=()
+        [[ ${PROFILE_SOURCE:-0} == 1 ]] && report=(-f -o "$OUT/profile/$name")
         # shellcheck disable=SC2086
-        run_phase "profile${mask:+-causal}" timeout "${PROFILE_TIMEOUT:-240}" ncu "${ncu_args[@]}" \
+        run_phase "$name" timeout "${PROFILE_TIMEOUT:-240}" ncu "${ncu_args[@]}" "${report[@]}" \
           python3 scripts/profile_kernels.py --kernel-dir build $mask ${PROFILE_ARGS:-}
+        if [[ ${PROFILE_SOURCE:-0} == 1 && -f $OUT/profile/$name.ncu-rep ]]; then
+          ncu -i "$OUT/profile/$name.ncu-rep" >>"$OUT/$name.log" 2>&1
+          ncu -i "$OUT/profile/$name.ncu-rep" --page source --csv --print-source sass \
+            >"$OUT/profile/$name-sass.csv" 2>&1
+          rm -f "$OUT/profile/$name.ncu-rep"
+        fi
       done
       ;;
     bench)
@@ -159,7 +183,7 @@ for phase in "${phases[@]}"; do
 done
 # Results come back as few files (a GPU machine may return only a handful): one archive per
 # result folder, and one for every log.
-for dir in bench train tune; do
+for dir in bench train tune profile; do
   if [[ -d $OUT/$dir ]]; then
     tar czf "$OUT/$dir.tgz" -C "$OUT" "$dir" && rm -rf "${OUT:?}/$dir"
   fi
