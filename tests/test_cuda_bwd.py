@@ -20,8 +20,9 @@ import importlib
 import pytest
 import torch
 
-from helpers import (backend_params, make_varlen_qkv, nan_like, needs_sm90, reference_results,
-                     run_backward, run_forward, seeded_cuda_qkv, sm90)
+from helpers import (assert_matches_reference, backend_params, make_varlen_qkv, nan_like,
+                     needs_sm90, reference_results, run_backward, run_forward, seeded_cuda_qkv,
+                     sm90)
 from reference import assert_close_to_reference, attention_reference
 
 
@@ -231,11 +232,8 @@ def test_unaligned_out_and_dq(cuda_backend, attn_params, d):
                           cu_seqlens_q=None, cu_seqlens_k=None, s_aux=None, alibi_slopes=None,
                           params=params)
     torch.cuda.synchronize()
-    kwargs = dict(softmax_scale=params.softmax_scale, causal=True, dout=dout)
-    ref64 = reference_results(q, k, v, dtype=torch.float64, **kwargs)
-    lowp = reference_results(q, k, v, dtype=q.dtype, **kwargs)
-    for name, value in grads.items():
-        assert_close_to_reference(f"unaligned d={d} {name}", value, ref64[name], lowp[name])
+    assert_matches_reference(grads, q, k, v, dout=dout, label=f"unaligned d={d}",
+                             softmax_scale=params.softmax_scale, causal=True)
 
 
 @pytest.mark.gpu

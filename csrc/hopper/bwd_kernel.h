@@ -194,7 +194,7 @@ __device__ __forceinline__ void key_blocks_of_query_block(const FlashParams& p, 
 
 // 16-byte (preprocess) / 8-byte (cast) vector access is allowed for this tensor: base and every
 // stride aligned, head dim a multiple of the vector.
-__host__ __device__ inline bool vector_ok(const void* ptr, int64_t s0, int64_t s1, int64_t s2,
+inline bool vector_ok(const void* ptr, int64_t s0, int64_t s1, int64_t s2,
                                           int head_dim, int elems, int elem_bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % (elems * elem_bytes) == 0 && s0 % elems == 0 &&
          s1 % elems == 0 && s2 % elems == 0 && head_dim % elems == 0;

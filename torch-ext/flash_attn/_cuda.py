@@ -38,12 +38,12 @@ BWD_VALIDATED = True
 # give few CTAs, and a causal band makes their work uneven, so the GPU idles while the longest
 # finish (H200, MQA 32/1 causal 4k/16k: 211-235 TFLOP/s against the Triton backward's 356-397,
 # whose launch splits the query-head group). The CUDA launch now splits the group too ([Note:
-# CUDA group split]: MQA causal 432-521 TFLOP/s at 4k/16k); where even the split grid stays
-# below SMALL_GRID_WAVES CTAs per SM under a band (a small batch of few heads with no group to
-# split), the CUDA backward declines and the dispatcher runs Triton, as before the split
-# (untimed since). (Head dims up to 64 under a band
-# went to Triton too until the dS^T stores moved to stmatrix: the H200 now measures D=64 causal
-# 4k/16k at CUDA 283/365 TFLOP/s against Triton's 278/326.)
+# CUDA group split]: MQA causal 432-521 TFLOP/s at 4k/16k). Where even the split grid stays
+# below SMALL_GRID_WAVES CTAs per SM under a band (a small batch of few heads, no group to
+# split), the CUDA backward declines and the dispatcher runs Triton, as before the split; that
+# choice is untimed since. (Head dims up to 64 under a band went to Triton too until the dS^T
+# stores moved to stmatrix: the H200 now measures D=64 causal 4k/16k at CUDA 283/365 TFLOP/s
+# against Triton's 278/326.)
 SMALL_GRID_WAVES = 4
 
 _DTYPES = (torch.float16, torch.bfloat16)
