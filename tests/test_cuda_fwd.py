@@ -190,8 +190,9 @@ def test_many_tiles_per_cta(cuda_backend, attn_params, window, sq, sk, d):
 @needs_sm90
 def test_small_persistent_tiles(cuda_backend, attn_params):
     """Several tiles per persistent CTA (batched, full and causal), sized for compute-sanitizer:
-    5 query blocks x 64 heads = 320 tiles, 192 causal units. The references run on the CPU, so
-    only our kernel runs on the GPU under the sanitizer."""
+    full runs D=64's three-consumer tiles (3 query blocks of 192 rows, the last one partial, x 64
+    heads = 192 tiles), causal the two-consumer band tiles (5 blocks of 128, 192 paired units).
+    The references run on the CPU, so only our kernel runs on the GPU under the sanitizer."""
     q, k, v = seeded_cuda_qkv(1, 520, 520, 64, 8, 64, torch.float16, seed=23)
     for causal in (False, True):
         params = backend_params(attn_params, 64, causal=causal, max_q=520, max_k=520)

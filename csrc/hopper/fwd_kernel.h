@@ -57,19 +57,21 @@
 // (ptxas: 1184-byte frame at D=128 softcap).
 //
 // [Note] Pingpong
-// Two named barriers (kPingpongBarrier + consumer index, 256 threads: the 128 that wait plus the
-// 128 of the other consumer that arrive) hand the tensor cores from one consumer to the other:
-// in each step-loop iteration a consumer waits for its turn, issues its S and P V GEMMs, then
-// gives the turn away and runs its softmax (and, at a tile boundary, stores the old tile's O)
-// while the other one's GEMMs execute. The turns run on across tiles. Both consumers walk the
-// same tiles with the same key-block ranges, so both have the same step count L, counted before
-// the loop, and run L-1 iterations; the peeled first S GEMM and last P V take no turn. Consumer 1
-// grants the first turn (arrive on barrier 0) before its first S GEMM when L > 1 and withholds
-// the grant of its last iteration; consumer 0 grants in every iteration. Barrier 0: L-1 syncs
-// (consumer 0), 1 + (L-2) arrivals (consumer 1); barrier 1: L-1 syncs (consumer 1), L-1 arrivals
-// (consumer 0); with L <= 1 neither is used, and none is left pending at exit. A consumer never
-// arrives twice on one barrier before the other has synced on it: between its grants it syncs
-// on its own barrier, which the other opens only after its own sync.
+// One named barrier per consumer c (kPingpongBarrier + c, 256 threads: the 128 of c that wait
+// plus the 128 of the consumer before c in the ring that arrive) hands the tensor cores round
+// the ring 0, 1, ..., last, 0, ... (two or three consumers, [Note] Consumer warpgroups): in
+// each step-loop iteration a consumer waits for its turn, issues its S and P V GEMMs, then gives
+// the turn to the next and runs its softmax (and, at a tile boundary, stores the old tile's O)
+// while the others' GEMMs execute. The turns run on across tiles. All consumers walk the same
+// tiles with the same key-block ranges, so all have the same step count L, counted before the
+// loop, and run L-1 iterations; the peeled first S GEMM and last P V take no turn. The last
+// consumer grants the first turn (arrive on barrier 0) before its first S GEMM when L > 1 and
+// withholds the grant of its last iteration; every other consumer grants in every iteration.
+// Barrier 0: L-1 syncs (consumer 0), 1 + (L-2) arrivals (the last); barrier c > 0: L-1 syncs
+// (consumer c), L-1 arrivals (consumer c-1); with L <= 1 none is used, and none is left pending
+// at exit. A consumer never arrives twice on one barrier before its owner has synced on it: the
+// turns form one sequence, a consumer's grant after turn k opens turn k+1, and its next grant
+// comes after turn k + (consumers), which waited for turn k+1.
 //
 // [Note] Q descriptors
 // The S GEMM reads Q through one wgmma descriptor per 16-column slice, each the base descriptor
@@ -132,12 +134,10 @@ struct FwdArgs {
   float scale_over_cap;  // scale / softcap (softcap only)
 };
 
-// Register budgets after setmaxnreg: 128 x 24 + 256 x 240 = 64512 <= 65536 per SM. The
-// producer only walks the schedule and issues copies; the consumers hold S, P and O (at D=128
-// with 176 keys: 88 + 44 + 64 registers).
-constexpr int kProducerRegisters = 24;
-constexpr int kConsumerRegisters = 240;
-// Hardware barrier ids of the pingpong hand-over (id 0 is __syncthreads).
+// Register budgets after setmaxnreg: Traits::kProducerRegisters and kConsumerRegisters
+// ([Note] Consumer warpgroups). The producer only walks the schedule and issues copies; the
+// consumers hold S, P and O (at D=128 with 176 keys: 88 + 44 + 64 registers).
+// Hardware barrier ids of the pingpong hand-over (id 0 is __syncthreads), one per consumer.
 constexpr int kPingpongBarrier = 1;
 constexpr int kPingpongThreads = 256;
 
@@ -299,20 +299,26 @@ __device__ __forceinline__ void store_tile(const FlashParams& p, const TileWork<
   for (int c1 = 0; c1 < 2; ++c1) {
     const int row = row0 + 8 * c1;
     if (row >= w.seq.seqlen_q) continue;
-    Element* out_row = out + int64_t(w.seq.q_start + row) * p.out_row_stride;
-    CUTE_UNROLL
-    for (int g = 0; g < D / 8; ++g) {
-      const int col = 8 * g + col_lane;
-      if (col < p.head_dim) {
-        // col is even and head_dim a multiple of 8: the pair is in range together
-        __align__(4) Element pair[2];
-        if constexpr (kZero) {
-          pair[0] = pair[1] = Element(0.f);
-        } else {
-          pair[0] = Element(o(cute::make_coord(0, c1, g), 0, 0));
-          pair[1] = Element(o(cute::make_coord(1, c1, g), 0, 0));
-        }
-        *reinterpret_cast<uint32_t*>(out_row + col) = *reinterpret_cast<uint32_t*>(pair);
+    Element* out_row = out + int64_t(w.seq.q_start + row) * p.out_row_stride + col_lane;
+    // Columns 8g + col_lane and the next one; head_dim is a multiple of 8, so the pair is in
+    // range together, and exactly when 8g < head_dim.
+    auto store_pair = [&](int g) {
+      __align__(4) Element pair[2];
+      if constexpr (kZero) {
+        pair[0] = pair[1] = Element(0.f);
+      } else {
+        pair[0] = Element(o(cute::make_coord(0, c1, g), 0, 0));
+        pair[1] = Element(o(cute::make_coord(1, c1, g), 0, 0));
+      }
+      *reinterpret_cast<uint32_t*>(out_row + 8 * g) = *reinterpret_cast<uint32_t*>(pair);
+    };
+    if (p.head_dim == D) {  // the common case: no per-column check (uniform branch)
+      CUTE_UNROLL
+      for (int g = 0; g < D / 8; ++g) store_pair(g);
+    } else {
+      CUTE_UNROLL
+      for (int g = 0; g < D / 8; ++g) {
+        if (8 * g < p.head_dim) store_pair(g);
       }
     }
     // a select, not lse[c1]: where this loop stays rolled, an indexed lse went to local memory
@@ -404,7 +410,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   __syncthreads();
 
   if (warpgroup == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
     if (warp != 0 || !elect_one_sync()) return;
     prefetch_tma_descriptor(&args.tma_q);
     prefetch_tma_descriptor(&args.tma_k);
@@ -440,7 +446,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     return;
   }
 
-  cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
+  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
   const int wg = warpgroup - 1;
   const int tid = threadIdx.x % 128;
   typename Traits::MmaS mma_s;
@@ -503,7 +509,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   if (steps > 0) {
     next_tile_with_keys(args, cursor, w, full_q, empty_q, q_phase, thread_row, lane);
     int n = w.n_max - 1;  // key block of the current step
-    if (wg == 1 && steps > 1) named_barrier_arrive(kPingpongBarrier + 0);  // [Note] Pingpong
+    constexpr int kLast = Traits::kConsumerWarpgroups - 1;
+    const int next_wg = wg == kLast ? 0 : wg + 1;  // whose turn follows ours
+    if (wg == kLast && steps > 1) named_barrier_arrive(kPingpongBarrier + 0);  // [Note] Pingpong
     // Step 0: the S GEMM alone, outside the turns.
     softmax.init();
     clear(tOrO);
@@ -551,7 +559,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         cute::gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, st_v.stage), tOrO);
       }
       warpgroup_commit_batch();
-      if (wg == 0 || i + 1 < steps) named_barrier_arrive(kPingpongBarrier + 1 - wg);
+      if (wg != kLast || i + 1 < steps) named_barrier_arrive(kPingpongBarrier + next_wg);
       warpgroup_wait<1>();  // scores of step i are in
       warpgroup_fence_operand(tSrS);
       Barrier::arrive(&empty_k[st_k.stage]);

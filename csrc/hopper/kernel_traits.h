@@ -1,8 +1,9 @@
 // Compile-time shape of one forward instantiation: tiles, shared-memory layouts, warpgroup GEMMs.
 //
 // Glossary
-//   kBlockM      query rows per CTA: two consumer warpgroups of 64 rows each
-//   kBlockN      keys per pipeline stage (the tile table's band column when kWindow)
+//   kBlockM      query rows per CTA: 64 per consumer warpgroup, two or three of them
+//   kBlockN      keys per pipeline stage
+//                (kBlockM and kBlockN come from the tile table's band columns when kWindow)
 //   kHeadDim     head dim the kernel is compiled for (inputs with d <= kHeadDim run on it; the
 //                copy engine zero-fills columns d..kHeadDim, which add nothing to Q.K nor to O)
 //   chunk        columns of one copy-engine box: one swizzle row (128, 64 or 32 bytes)
@@ -60,15 +61,26 @@ struct FwdTraits {
   static constexpr bool kSoftcap = kSoftcap_;  // s = cap * tanh(s / cap) compiled in
 
   using Tile = TileSize<kHeadDim>;
-  static constexpr int kBlockM = Tile::kBlockM;
+  static constexpr int kBlockM = kWindow ? Tile::kBlockMBand : Tile::kBlockM;
   static constexpr int kBlockN = kWindow ? Tile::kBlockNBand : Tile::kBlockN;
   static constexpr int kStages = Tile::kStages;
 
-  static constexpr int kConsumerWarpgroups = 2;
+  // [Note] Consumer warpgroups: one per 64 query rows of the tile, taking turns on the tensor
+  // cores ([Note] Pingpong in fwd_kernel.h). Two hide one consumer's softmax under the other's
+  // GEMMs when the GEMMs are the longer part (D >= 96); at D=64 a step's softmax (its exp2
+  // count does not shrink with D) outlasts one consumer's GEMMs, and three consumers hide it
+  // under two. The register file is split by setmaxnreg: 128 x 24 for the producer, and
+  // 256 x 240 or 384 x 160 for the consumers (<= 65536).
   static constexpr int kRowsPerWarpgroup = 64;
+  static constexpr int kConsumerWarpgroups = kBlockM / kRowsPerWarpgroup;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
   static_assert(kBlockM == kRowsPerWarpgroup * kConsumerWarpgroups, "one 64-row slice per consumer");
+  static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3, "two or three consumers");
+  static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= 65536,
+                "the register budgets fit the register file");
   static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "GEMM K extents are multiples of 16");
   static_assert(kBlockN <= 256, "one copy-engine box and one wgmma cover the key block");
 

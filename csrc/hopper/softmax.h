@@ -197,8 +197,11 @@ struct OnlineSoftmax {
         sum = sum * o_scale + exp2_approx(sink_log2 - top);
         m = top;
       }
-      const float inv = sum > 0.f ? o_scale / sum : 0.f;
-      lse[c1] = sum > 0.f ? (m + log2f(sum)) * kLn2 : -INFINITY;
+      // sum >= 1 whenever a key is visible (the row maximum contributes exp2(0)), so the fast
+      // reciprocal and log2 (MUFU, no denormal slow path) are exact to a few ulp here; this
+      // runs once per tile on the path that the other warpgroup's GEMMs must hide.
+      const float inv = sum > 0.f ? __fdividef(o_scale, sum) : 0.f;
+      lse[c1] = sum > 0.f ? (m + __log2f(sum)) * kLn2 : -INFINITY;
       CUTE_UNROLL
       for (int g = 0; g < kGroupsO; ++g) {
         o(cute::make_coord(0, c1, g), 0, 0) *= inv;
