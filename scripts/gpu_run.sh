@@ -183,12 +183,17 @@ for phase in "${phases[@]}"; do
 done
 # Results come back as few files (a GPU machine may return only a handful): one archive per
 # result folder, and one for every log.
+# A second invocation into the same $OUT archives under a new name (NAME-<time>-<pid>.tgz), so
+# the first one's archives survive.
+archive_name() {
+  if [[ -e $OUT/$1.tgz ]]; then echo "$1-$(date +%H%M%S)-$$.tgz"; else echo "$1.tgz"; fi
+}
 for dir in bench train tune profile; do
   if [[ -d $OUT/$dir ]]; then
-    tar czf "$OUT/$dir.tgz" -C "$OUT" "$dir" && rm -rf "${OUT:?}/$dir"
+    tar czf "$OUT/$(archive_name "$dir")" -C "$OUT" "$dir" && rm -rf "${OUT:?}/$dir"
   fi
 done
 (cd "$OUT" && shopt -s nullglob && logs=(*.log gpu*.txt) && [[ ${#logs[@]} -gt 0 ]] &&
-  tar czf logs.tgz "${logs[@]}" && rm -f "${logs[@]}")
+  tar czf "$(archive_name logs)" "${logs[@]}" && rm -f "${logs[@]}")
 log "done, status $status"
 exit $status
