@@ -513,7 +513,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   Tensor sKw = local_tile(sK(_, _, 0), Shape<_64, Int<D>>{}, make_coord(wg, 0));
   Tensor sVw = local_tile(sV(_, _, 0), Shape<_64, Int<D>>{}, make_coord(wg, 0));
 
-  Tensor tSrK = thr_sdp.partition_fragment_A(sKw);    // (MMA, 1, D/16)
+  // (MMA, 1, D/16): descriptors, or registers ([Note] K and V in registers), filled below once
+  // K and V have landed
+  Tensor tSrK = thr_sdp.partition_fragment_A(sKw);
   Tensor tSrV = thr_sdp.partition_fragment_A(sVw);
   Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, 1, D/16, S)
   Tensor tSrDo = thr_sdp.partition_fragment_B(sDo);
@@ -547,6 +549,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
 
   if (steps > 0) {
     Barrier::wait(bar_kv, 0);
+    if constexpr (Traits::kKvInRegisters) {
+      cute::copy(thr_sdp.partition_A(sKw), tSrK);
+      cute::copy(thr_sdp.partition_A(sVw), tSrV);
+    }
     PipelineState<Traits> st;
     for (int j = 0; j < steps; ++j) {
       const int m = m_min + j % m_count;

@@ -4,8 +4,9 @@
 //   kBlockN      keys per CTA (two consumer warpgroups of 64 keys each); dK and dV of these keys
 //                stay in registers for the whole CTA
 //   kBlockM      query rows per pipeline step (one Q tile and one dO tile per stage)
-//   S^T = K Q^T          scores, transposed (rows = keys), SS GEMM
-//   dP^T = V dO^T        SS GEMM
+//   S^T = K Q^T          scores, transposed (rows = keys), SS GEMM (RS at D=64: [Note] K and V
+//                        in registers)
+//   dP^T = V dO^T        SS GEMM (RS at D=64)
 //   dV += P^T dO         RS GEMM: P^T from registers, dO read MN-major (its rows are the K extent)
 //   dK += dS^T Q         RS GEMM, Q read MN-major
 //   dQ_tile = dS K       SS GEMM over all kBlockN keys: both consumers write their dS^T into one
@@ -77,9 +78,19 @@ struct BwdTraits {
       SmemLayoutDs{}, cute::make_layout(cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{},
                                         cute::Stride<cute::Int<kBlockM>, cute::_1>{})));
 
-  using MmaSdP = decltype(cute::make_tiled_mma(
+  // [Note] K and V in registers
+  // K and V stay in shared memory for the whole CTA, and the S^T and dP^T GEMMs read them as
+  // their A operands in every step: with both operands in shared memory those GEMMs read
+  // 2 x 64 x kHeadDim x 2 bytes per consumer per step on top of Q and dO, and the kernel is
+  // bound by shared-memory bandwidth, not the tensor pipe (NOTES, session 10). Where the
+  // registers allow (D=64: 16 + 16 per thread beside dK, dV, S^T, dP^T and the dQ half), each
+  // consumer copies its 64 rows of K and V into registers once and the two GEMMs run RS.
+  static constexpr bool kKvInRegisters = kHeadDim <= 64;
+  using MmaSdP = decltype(cute::make_tiled_mma(cute::conditional_return<kKvInRegisters>(
+      gmma::rs_op_selector<Element, Element, float,
+                           cute::Shape<cute::_64, cute::Int<kBlockM>, cute::Int<kHeadDim>>>(),
       gmma::ss_op_selector<Element, Element, float,
-                           cute::Shape<cute::_64, cute::Int<kBlockM>, cute::Int<kHeadDim>>>()));
+                           cute::Shape<cute::_64, cute::Int<kBlockM>, cute::Int<kHeadDim>>>())));
   using MmaDkv = decltype(cute::make_tiled_mma(
       gmma::rs_op_selector<Element, Element, float,
                            cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockM>>,
