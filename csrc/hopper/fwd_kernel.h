@@ -299,26 +299,20 @@ __device__ __forceinline__ void store_tile(const FlashParams& p, const TileWork<
   for (int c1 = 0; c1 < 2; ++c1) {
     const int row = row0 + 8 * c1;
     if (row >= w.seq.seqlen_q) continue;
-    Element* out_row = out + int64_t(w.seq.q_start + row) * p.out_row_stride + col_lane;
-    // Columns 8g + col_lane and the next one; head_dim is a multiple of 8, so the pair is in
-    // range together, and exactly when 8g < head_dim.
-    auto store_pair = [&](int g) {
-      __align__(4) Element pair[2];
-      if constexpr (kZero) {
-        pair[0] = pair[1] = Element(0.f);
-      } else {
-        pair[0] = Element(o(cute::make_coord(0, c1, g), 0, 0));
-        pair[1] = Element(o(cute::make_coord(1, c1, g), 0, 0));
-      }
-      *reinterpret_cast<uint32_t*>(out_row + 8 * g) = *reinterpret_cast<uint32_t*>(pair);
-    };
-    if (p.head_dim == D) {  // the common case: no per-column check (uniform branch)
-      CUTE_UNROLL
-      for (int g = 0; g < D / 8; ++g) store_pair(g);
-    } else {
-      CUTE_UNROLL
-      for (int g = 0; g < D / 8; ++g) {
-        if (8 * g < p.head_dim) store_pair(g);
+    Element* out_row = out + int64_t(w.seq.q_start + row) * p.out_row_stride;
+    CUTE_UNROLL
+    for (int g = 0; g < D / 8; ++g) {
+      const int col = 8 * g + col_lane;
+      if (col < p.head_dim) {
+        // col is even and head_dim a multiple of 8: the pair is in range together
+        __align__(4) Element pair[2];
+        if constexpr (kZero) {
+          pair[0] = pair[1] = Element(0.f);
+        } else {
+          pair[0] = Element(o(cute::make_coord(0, c1, g), 0, 0));
+          pair[1] = Element(o(cute::make_coord(1, c1, g), 0, 0));
+        }
+        *reinterpret_cast<uint32_t*>(out_row + col) = *reinterpret_cast<uint32_t*>(pair);
       }
     }
     // a select, not lse[c1]: where this loop stays rolled, an indexed lse went to local memory

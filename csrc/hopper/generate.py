@@ -41,14 +41,14 @@ TILES = {
                                 "283 -> 245, to the wider masked diagonal and the 1k/192 "
                                 "remainder tile)."),
     96: (128, 128, 128, 128, 2, "2 stages x (K+V) 24 KB + Q 24 KB = 120 KB; 64-byte swizzle (96 "
-                           "columns = 3 x 32)."),
+                                "columns = 3 x 32)."),
     128: (128, 128, 176, 128, 2, "full: N=176, 2 stages x (K+V) 44 KB + Q 32 KB = 208 KB, S/P/O "
-                            "88 + 44 + 64 registers, fewer softmax rounds per key (FA3's "
-                            "choice); band: N=128, 160 KB."),
+                                 "88 + 44 + 64 registers, fewer softmax rounds per key (FA3's "
+                                 "choice); band: N=128, 160 KB."),
     192: (128, 128, 112, 112, 2, "N=112: 2 stages x (K+V) 42 KB + Q 48 KB = 216 KB (FA3's choice; "
-                            "was 96)."),
+                                 "was 96)."),
     256: (128, 128, 80, 80, 2, "N=80: 2 stages x (K+V) 40 KB + Q 64 KB = 224 KB, the most that fits; "
-                          "O accumulator alone is 128 registers (FA3's choice; was 64)."),
+                               "O accumulator alone is 128 registers (FA3's choice; was 64)."),
 }
 # backward head dim: (kBlockM query rows per step, kBlockN keys per CTA, kStages, reason)
 BWD_TILES = {
