@@ -205,15 +205,17 @@ needs_toolkit = pytest.mark.skipif(
 
 
 def _smoke_subset(config) -> set[str]:
-    """The binding, every non-instantiation source and one instantiation per kernel kind
-    (forward, backward: the ``fwd_``/``bwd_`` prefix): each kind of translation unit once (all
-    of them take ~2 min each on 2 cores)."""
+    """The binding, every non-instantiation source and the first and last instantiation of each
+    kernel kind (forward, backward: the ``fwd_``/``bwd_`` prefix), i.e. the smallest and the
+    largest head dim, which for the backward are its two decompositions (the head-dim split
+    above D=128): each kind of translation unit once (all of them take ~2 min each on 2 cores)."""
     compiled = [s for s in config.source_files() if s.endswith(build_cuda.COMPILED_SUFFIXES)]
     instantiations = [s for s in compiled if "/instantiations/" in s]
-    first_of_kind = {}
+    ends_of_kind: dict[str, list[str]] = {}
     for s in instantiations:
-        first_of_kind.setdefault(s.rsplit("/", 1)[-1].split("_", 1)[0], s)
-    return {s for s in compiled if s not in instantiations} | set(first_of_kind.values())
+        ends_of_kind.setdefault(s.rsplit("/", 1)[-1].split("_", 1)[0], []).append(s)
+    chosen = {s for kind in ends_of_kind.values() for s in (kind[0], kind[-1])}
+    return {s for s in compiled if s not in instantiations} | chosen
 
 
 @needs_toolkit

@@ -9,7 +9,9 @@ Sq != Sk both ways with sizes off the 64/128 tiles, Sq = 1, rows that see a sing
 dQ and dK held to the noise the rounding of O implies); causal, sliding windows, softcap,
 sinks (with the s_aux gradient and fully masked rows); GQA ratios 1, 2, 4, 8 and MQA (dK/dV
 summed over the group inside the kernel); varlen with empty and length-1 sequences; transposed
-and packed strides; agreement with the Triton backward. CPU-only checks cover `supports`.
+and packed strides; agreement with the Triton backward; the head-dim split above D=128 (GQA,
+MQA, bands, varlen, sinks, softcap, group split, deterministic mode). CPU-only checks cover
+`supports` and the launch's CTA count.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def _assert_within_rounding_noise(name, ours, q, k, v, out, dout, ref64, kwargs,
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_head_dims(cuda_backend, attn_params, dtype, d, causal):
     q, k, v = seeded_cuda_qkv(2, 257, 257, 4, 4, d, dtype, seed=d)
@@ -95,7 +97,7 @@ def test_head_dims(cuda_backend, attn_params, dtype, d, causal):
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("d", [8, 40, 72, 80, 112, 120])
+@pytest.mark.parametrize("d", [8, 40, 72, 80, 112, 120, 136, 200, 248])
 def test_head_dims_between_buckets(cuda_backend, attn_params, d):
     q, k, v = seeded_cuda_qkv(1, 113, 239, 2, 2, d, seed=d)
     _check(cuda_backend, q, k, v, backend_params(attn_params, d, max_q=113, max_k=239))
@@ -117,7 +119,7 @@ def test_lengths_and_windows(cuda_backend, attn_params, sq, sk, window):
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_softcap(cuda_backend, attn_params, causal, d):
     q, k, v = seeded_cuda_qkv(2, 300, 300, 2, 2, d, seed=3)
     q = q * 4  # large scores, so the cap bites
@@ -185,6 +187,52 @@ def test_group_split(cuda_backend, attn_params, monkeypatch, case, splits):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("case", ["gqa4_causal", "mqa_full", "gqa2_band_sinks", "varlen_gqa",
+                                  "group_split_mqa", "deterministic_gqa", "deterministic_varlen"])
+@pytest.mark.parametrize("d", [192, 256])
+def test_head_dim_split(cuda_backend, attn_params, monkeypatch, case, d):
+    """[Note] Backward head-dim split (csrc/hopper/bwd_traits.h): both consumers on the same 64
+    keys, each with half of dK's, dV's and dQ's columns, dQ added from registers. GQA and MQA
+    (dK/dV summed over the group in the kernel), a band with sinks, varlen with empty and
+    length-1 sequences, a forced group split, and deterministic mode (the ordered reductions:
+    two runs bitwise equal)."""
+    torch.manual_seed(d + len(case))
+    cu_q = cu_k = s_aux = None
+    deterministic = case.startswith("deterministic")
+    if case in ("varlen_gqa", "deterministic_varlen"):
+        q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv([0, 70, 1, 200], [9, 70, 1, 333],
+                                                            8, 2, d, device="cuda")
+        params = backend_params(attn_params, d, causal=case == "varlen_gqa", max_q=max_q,
+                                max_k=max_k, deterministic=deterministic)
+    else:
+        hq, hkv, sq, sk = {"gqa4_causal": (8, 2, 200, 333), "mqa_full": (4, 1, 333, 200),
+                           "gqa2_band_sinks": (4, 2, 190, 190), "group_split_mqa": (8, 1, 300, 413),
+                           "deterministic_gqa": (8, 2, 400, 600)}[case]
+        window = (45, 7) if case == "gqa2_band_sinks" else (-1, 0) if "causal" in case or \
+            case.startswith(("group", "deterministic")) else (-1, -1)
+        q, k, v = seeded_cuda_qkv(2, sq, sk, hq, hkv, d, seed=d + hq)
+        params = backend_params(attn_params, d, causal=window == (-1, 0), window=window,
+                                max_q=sq, max_k=sk, deterministic=deterministic)
+        if case == "gqa2_band_sinks":
+            s_aux = torch.randn(hq, device="cuda")
+    if case == "group_split_mqa":
+        chosen = []
+        monkeypatch.setattr(cuda_backend, "GROUP_SPLIT", True)
+        monkeypatch.setattr(cuda_backend, "group_splits", lambda *a: chosen.append(4) or 4)
+    _check(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k, s_aux=s_aux, label=case)
+    if case == "group_split_mqa":
+        assert chosen == [4], "the split launch did not run"
+    if deterministic:
+        launch = dict(params=params, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        out, lse = run_forward(cuda_backend, q, k, v, **launch)
+        dout = torch.randn_like(out)
+        runs = [run_backward(cuda_backend, dout, q, k, v, out, lse, **launch) for _ in range(2)]
+        for name in ("dq", "dk", "dv"):
+            assert torch.equal(runs[0][name], runs[1][name]), f"{name} differs between two runs"
+
+
+@pytest.mark.gpu
+@needs_sm90
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (33, 7)], ids=["full", "causal", "band"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_varlen_with_empty_sequences(cuda_backend, attn_params, window, d):
@@ -211,7 +259,7 @@ def test_strided_layouts(cuda_backend, attn_params, kv_layout):
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("d", [72, 128])
+@pytest.mark.parametrize("d", [72, 128, 200])
 def test_unaligned_out_and_dq(cuda_backend, attn_params, d):
     """The element-wise paths of the preprocess and the dQ cast ([Note] Backward preprocess and
     cast): out 8-byte but not 16-byte aligned, dq only 2-byte aligned. The gradients are held to
@@ -328,6 +376,12 @@ def test_small_all_features_once(cuda_backend, attn_params):
            s_aux=torch.randn(4, device="cuda"))
     q, k, v = seeded_cuda_qkv(2, 70, 150, 4, 1, 64, seed=23)
     _check(cuda_backend, q, k, v, backend_params(attn_params, 64, causal=True, max_q=70, max_k=150))
+    # the head-dim split ([Note] Backward head-dim split): GQA, varlen, deterministic reductions
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv([0, 90, 1], [3, 130, 1], 4, 2, 256,
+                                                        device="cuda")
+    _check(cuda_backend, q, k, v, backend_params(attn_params, 256, causal=True, max_q=max_q,
+                                                 max_k=max_k, deterministic=True),
+           cu_q=cu_q, cu_k=cu_k)
 
 
 @pytest.mark.gpu
@@ -365,6 +419,10 @@ def test_group_split_counts(cuda_backend, attn_params, monkeypatch):
     q_var, k_var = torch.empty(8192, 32, 128), torch.empty(8192, 1, 128)
     varlen = backend_params(attn_params, 128, causal=True, max_q=4096, max_k=4096)
     assert cuda_backend.group_splits(q_var, k_var, varlen) == 16  # 64 CTAs -> 1024
+    # above D=128 a CTA holds 64 keys ([Note] Backward head-dim split): twice the CTAs
+    q256, k256 = torch.empty(4, 4096, 32, 256), torch.empty(4, 4096, 1, 256)
+    assert cuda_backend._backward_ctas(q256, k256, causal) == 256
+    assert cuda_backend.group_splits(q256, k256, causal) == 4  # 256 CTAs -> 1024
 
 
 def test_banded_small_head_dims_stay_on_cuda(cuda_backend, attn_params):
@@ -379,7 +437,7 @@ def test_banded_small_head_dims_stay_on_cuda(cuda_backend, attn_params):
 
 
 def test_supports_excludes_what_it_cannot_run(cuda_backend, attn_params):
-    """CPU tensors, dropout, ALiBi and uncompiled backward head dims go to Triton;
+    """CPU tensors, dropout, ALiBi and head dims above the widest compiled one go to Triton;
     deterministic mode stays. No GPU needed for the first check."""
     q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
     base = backend_params(attn_params, 128, max_q=8, max_k=8)
@@ -394,6 +452,8 @@ def test_supports_excludes_what_it_cannot_run(cuda_backend, attn_params):
     assert not cuda_backend.supports(q, q, dataclasses.replace(base, dropout_p=0.1),
                                      backward=True, **features)
     assert not cuda_backend.supports(q, q, base, backward=True, **{**features, "alibi": True})
-    wide = torch.zeros(1, 8, 2, 256, dtype=torch.bfloat16, device="cuda")
+    d256 = torch.zeros(1, 8, 2, 256, dtype=torch.bfloat16, device="cuda")
+    assert cuda_backend.supports(d256, d256, base, backward=True, **features)
+    wide = torch.zeros(1, 8, 2, 264, dtype=torch.bfloat16, device="cuda")
     assert not cuda_backend.supports(wide, wide, base, backward=True, **features)
-    assert cuda_backend.supports(wide, wide, base, backward=False, **features)
+    assert not cuda_backend.supports(wide, wide, base, backward=False, **features)

@@ -3,4 +3,4 @@
 // Compiled backward head dims in increasing order; an input of head dim d runs on the first entry >= d.
 #pragma once
 
-#define FLASH_HOPPER_FOR_EACH_BWD_HEAD_DIM(X) X(64) X(96) X(128)
+#define FLASH_HOPPER_FOR_EACH_BWD_HEAD_DIM(X) X(64) X(96) X(128) X(192) X(256)

@@ -11,8 +11,11 @@
 //   producer     warpgroup 0, warp 0: one elected thread issues the copy-engine loads of K and V
 //                (once) and of Q, dO, lse2, delta (per step, kStages deep)
 //   dQ warp      warpgroup 0, warp 1: sends each step's fp32 dQ tile to dq_acc (one bulk
-//                reduce-add), in key-block order in deterministic mode
-//   consumers    warpgroups 1 and 2, each owning 64 of the CTA's keys
+//                reduce-add), in key-block order in deterministic mode; idle under a head-dim
+//                split ([Note] dQ from registers)
+//   consumers    warpgroups 1 and 2, each owning 64 of the CTA's keys (under a head-dim split,
+//                [Note] Backward head-dim split in bwd_traits.h: both on the same 64 keys,
+//                each owning half of the head dim's columns of dK, dV and dQ)
 //   padded row   the workspace row of a query (see [Note] Backward workspaces in flash_params.h)
 //
 // Per step, each consumer computes (see bwd_traits.h for the GEMM shapes):
@@ -44,6 +47,18 @@
 // the dQ warp alone. The fp32 tile is stored in fragment order (chunk g of consumer w's columns:
 // 128 float4 of its 128 threads), so the stores are conflict-free and one contiguous bulk copy
 // carries the tile; dq_acc keeps that order and the cast kernel undoes it.
+//
+// [Note] dQ from registers
+// Under a head-dim split there is no fp32 dQ tile: after its dQ GEMM retires each consumer adds
+// its fragments into dq_acc with 16-byte vector reductions (red.global.add.v4.f32), at the
+// addresses where the dQ warp's bulk copy would have put them (chunk g of consumer w's columns:
+// 128 float4 of its 128 threads), so a warp's reductions cover 512 contiguous bytes and dq_acc's
+// order and the cast kernel are the same for every head dim. dS^T is the same in both consumers
+// (both compute the full S^T and dP^T), so consumer 0 alone stores it; before it overwrites the
+// tile, both consumers meet at kDqEmptyBarrier (256 threads) once their previous dQ GEMMs have
+// retired. In deterministic mode thread 0 of each consumer waits for the block's turn as the dQ
+// warp would ([Note] Deterministic dQ), its warpgroup waits for it, all threads reduce and fence,
+// both consumers meet, and consumer 0's thread 0 publishes the next rank.
 //
 // [Note] Deterministic dQ
 // With a semaphore array (one int per workspace block, zeroed by the preprocess), the CTAs that add into one dQ
@@ -77,6 +92,8 @@ constexpr int kBwdConsumerRegisters = 240;  // 128 x 24 + 256 x 240 = 64512 <= 6
 constexpr int kDsBarrier = 1;               // both consumers
 constexpr int kDqFullBarrier = 2;           // both consumers and the dQ warp
 constexpr int kDqEmptyBarrier = 3;
+constexpr int kDqTurnBarrier = 4;           // head-dim split, deterministic: both consumers
+constexpr int kDqTurnWgBarrier = 5;         // ... and 5 + wg: one consumer ([Note] dQ from registers)
 constexpr int kDsThreads = 256;
 constexpr int kDqThreads = 256 + 32;
 constexpr int kWorkspaceRows = 64;          // [Note] Backward workspaces
@@ -90,6 +107,12 @@ __device__ __forceinline__ void bulk_reduce_add(float* gmem, const void* smem, i
 }
 
 // The issuing thread's bulk operations have finished reading shared memory / completed.
+// Adds four floats to 16-byte aligned global memory (one vector reduction, performed in L2).
+__device__ __forceinline__ void red_add_float4(float* gmem, float x, float y, float z, float w) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};"
+               ::"l"(gmem), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
+}
+
 __device__ __forceinline__ void bulk_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 }
@@ -202,13 +225,14 @@ inline bool vector_ok(const void* ptr, int64_t s0, int64_t s1, int64_t s2,
 
 // delta = rowsum(dO * O) and lse2 = lse * log2(e) into the padded workspaces, the block's dq_acc
 // rows zeroed ([Note] Backward preprocess and cast). One CTA per (64-row block, query head,
-// batch); warp w, half h handles rows 16 i + 2 w + h, lane l of the half the chunk [8 l, 8 l + 8).
+// batch); warp w, half h handles rows 16 i + 2 w + h, lane l of the half the chunks
+// [8 l + 128 c, 8 l + 128 c + 8).
 template <class Element, int D>
 __global__ void __launch_bounds__(256) bwd_prep_kernel(const __grid_constant__ FlashBwdParams p,
                                                        bool vec) {
 #if defined(FLASH_HOPPER_DEVICE_PASS)
   constexpr int kPasses = kWorkspaceRows / 16;
-  static_assert(D <= 128, "one 16-byte chunk per lane of a half-warp covers the row");
+  constexpr int kLaneChunks = (D + 127) / 128;  // 16-byte chunks of a row per lane of a half-warp
   const FlashParams& f = p.fwd;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
@@ -233,9 +257,12 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel(const __grid_constant__ F
     if (row >= seq.seqlen_q) continue;
     const int64_t tok = seq.q_start + row;
     if (vec) {
-      if (8 * chunk < f.head_dim) {
-        const uint4 o = *reinterpret_cast<const uint4*>(out + tok * f.out_row_stride + 8 * chunk);
-        const uint4 g = *reinterpret_cast<const uint4*>(dout + tok * p.dout_row_stride + 8 * chunk);
+      CUTE_UNROLL
+      for (int c = 0; c < kLaneChunks; ++c) {
+        const int col = 8 * (chunk + 16 * c);
+        if (col >= f.head_dim) continue;
+        const uint4 o = *reinterpret_cast<const uint4*>(out + tok * f.out_row_stride + col);
+        const uint4 g = *reinterpret_cast<const uint4*>(dout + tok * p.dout_row_stride + col);
         const Element* oe = reinterpret_cast<const Element*>(&o);
         const Element* ge = reinterpret_cast<const Element*>(&g);
         CUTE_UNROLL
@@ -277,12 +304,13 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel(const __grid_constant__ F
 // dq_acc holds each 64-row block in the order the main kernel's consumers hold their dQ
 // fragments ([Note] dQ through shared memory): thread t of this 128-thread CTA reads what
 // consumer thread t wrote, and puts it into a row-major shared tile (rows padded by 8 floats, so
-// a warp's float2 stores are two conflict-free wavefronts).
+// a warp's float2 stores are two conflict-free wavefronts), one half of the columns (one
+// consumer's) at a time so that the tile stays within static shared memory at D=256.
 template <class Element, int D>
 __global__ void __launch_bounds__(128) bwd_dq_cast_kernel(const __grid_constant__ FlashBwdParams p,
                                                           float scale, bool vec) {
 #if defined(FLASH_HOPPER_DEVICE_PASS)
-  constexpr int kDqCols = D / 2, kGroups = kDqCols / 8, kPitch = D + 8;
+  constexpr int kDqCols = D / 2, kGroups = kDqCols / 8, kPitch = kDqCols + 8;
   __shared__ __align__(16) float tile[kWorkspaceRows * kPitch];
   const FlashParams& f = p.fwd;
   const int head = blockIdx.y;
@@ -297,34 +325,39 @@ __global__ void __launch_bounds__(128) bwd_dq_cast_kernel(const __grid_constant_
   const int tid = threadIdx.x;
   const int r0 = 16 * (tid / 32) + (tid % 32) / 4;
   const int col_lane = 2 * (tid % 4);
-  float4 v[D / 8];
   CUTE_UNROLL
-  for (int i = 0; i < D / 8; ++i) v[i] = acc[i * 128 + tid];
-  CUTE_UNROLL
-  for (int i = 0; i < D / 8; ++i) {
-    const int col = (i / kGroups) * kDqCols + 8 * (i % kGroups) + col_lane;
-    *reinterpret_cast<float2*>(&tile[r0 * kPitch + col]) = make_float2(v[i].x, v[i].y);
-    *reinterpret_cast<float2*>(&tile[(r0 + 8) * kPitch + col]) = make_float2(v[i].z, v[i].w);
-  }
-  __syncthreads();
-  constexpr int kQuads = D / 4;  // four-column runs per row
-  CUTE_UNROLL
-  for (int idx = tid; idx < kWorkspaceRows * kQuads; idx += 128) {
-    const int r = idx / kQuads;
-    const int col = 4 * (idx % kQuads);
-    const int row = block_row + r;
-    if (row >= seq.seqlen_q || col >= f.head_dim) continue;
-    const float4 x = *reinterpret_cast<const float4*>(&tile[r * kPitch + col]);
-    Element* dst = dq + int64_t(seq.q_start + row) * p.dq_row_stride + col;
-    if (vec) {
-      __align__(8) Element quad[4] = {Element(x.x * scale), Element(x.y * scale),
-                                      Element(x.z * scale), Element(x.w * scale)};
-      *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(quad);
-    } else {
-      const float xs[4] = {x.x, x.y, x.z, x.w};
-      CUTE_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        if (col + e < f.head_dim) dst[e] = Element(xs[e] * scale);
+  for (int h = 0; h < 2; ++h) {
+    float4 v[kGroups];
+    CUTE_UNROLL
+    for (int i = 0; i < kGroups; ++i) v[i] = acc[(h * kGroups + i) * 128 + tid];
+    if (h > 0) __syncthreads();  // the first half's reads of the tile are done
+    CUTE_UNROLL
+    for (int i = 0; i < kGroups; ++i) {
+      const int col = 8 * i + col_lane;
+      *reinterpret_cast<float2*>(&tile[r0 * kPitch + col]) = make_float2(v[i].x, v[i].y);
+      *reinterpret_cast<float2*>(&tile[(r0 + 8) * kPitch + col]) = make_float2(v[i].z, v[i].w);
+    }
+    __syncthreads();
+    constexpr int kQuads = kDqCols / 4;  // four-column runs per row of the half
+    CUTE_UNROLL
+    for (int idx = tid; idx < kWorkspaceRows * kQuads; idx += 128) {
+      const int r = idx / kQuads;
+      const int c = 4 * (idx % kQuads);
+      const int col = h * kDqCols + c;
+      const int row = block_row + r;
+      if (row >= seq.seqlen_q || col >= f.head_dim) continue;
+      const float4 x = *reinterpret_cast<const float4*>(&tile[r * kPitch + c]);
+      Element* dst = dq + int64_t(seq.q_start + row) * p.dq_row_stride + col;
+      if (vec) {
+        __align__(8) Element quad[4] = {Element(x.x * scale), Element(x.y * scale),
+                                        Element(x.z * scale), Element(x.w * scale)};
+        *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(quad);
+      } else {
+        const float xs[4] = {x.x, x.y, x.z, x.w};
+        CUTE_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          if (col + e < f.head_dim) dst[e] = Element(xs[e] * scale);
+        }
       }
     }
   }
@@ -402,6 +435,41 @@ __device__ __forceinline__ void bwd_dq_warp(const FlashBwdParams& p, const SeqIn
   if (lane == 0) bulk_wait_all();  // the CTA's shared memory outlives the last reduce
 }
 
+// One consumer's dQ fragments of one step into dq_acc ([Note] dQ from registers), in key-block
+// order in deterministic mode ([Note] Deterministic dQ).
+template <class Traits, class Frag>
+__device__ __forceinline__ void bwd_dq_from_registers(const FlashBwdParams& p, const SeqInfo& seq,
+                                                      int batch, int head, int q_lo, int n_block,
+                                                      const Frag& dq, int wg, int tid) {
+  constexpr int M = Traits::kBlockM, kGroups = Traits::kDqCols / 8;
+  const int64_t ws_row = workspace_row(p, batch, head) + q_lo;
+  int* turn = p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + ws_row / M;
+  int rank = 0;
+  if (turn != nullptr) {
+    if (tid == 0) {
+      int n_first, n_end;
+      key_blocks_of_query_block<Traits>(p.fwd, q_lo, min(q_lo + M, seq.seqlen_q) - 1,
+                                        seq.seqlen_q, seq.seqlen_k, n_first, n_end);
+      rank = n_block - n_first;
+      while (load_acquire(turn) != rank) {
+      }
+    }
+    named_barrier_sync(kDqTurnWgBarrier + wg, 128);
+  }
+  float* dst = p.dq_acc + ws_row * Traits::kHeadDim + 4 * (wg * kGroups * 128 + tid);
+  CUTE_UNROLL
+  for (int g = 0; g < kGroups; ++g) {
+    red_add_float4(dst + 4 * 128 * g, dq(cute::make_coord(0, 0, g), 0, 0),
+                   dq(cute::make_coord(1, 0, g), 0, 0), dq(cute::make_coord(0, 1, g), 0, 0),
+                   dq(cute::make_coord(1, 1, g), 0, 0));
+  }
+  if (turn != nullptr) {
+    __threadfence();  // this thread's reductions before the next rank's
+    named_barrier_sync(kDqTurnBarrier, kDsThreads);
+    if (wg == 0 && tid == 0) store_release(turn, rank + 1);
+  }
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_constant__ BwdArgs args) {
 #if defined(FLASH_HOPPER_DEVICE_PASS)
@@ -409,6 +477,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   using Element = typename Traits::Element;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   constexpr int M = Traits::kBlockM, N = Traits::kBlockN, D = Traits::kHeadDim, S = Traits::kStages;
+  constexpr bool kSplit = Traits::kSplitHeadDim;  // [Note] Backward head-dim split
+  constexpr int kDkv = Traits::kDkvCols;
   const FlashBwdParams& p = args.p;
   const FlashParams& f = p.fwd;
 
@@ -459,7 +529,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kBwdProducerRegisters>();
-    if (warp == 1 && steps > 0) {
+    if (!kSplit && warp == 1 && steps > 0) {
       bwd_dq_warp<Traits>(p, seq, batch, head0, n_block, m_min, m_count, steps,
                           reinterpret_cast<const float*>(smem + Traits::kOffsetDq), lane);
     }
@@ -510,8 +580,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   Tensor sDo = make_tensor(make_smem_ptr(smem_do), typename Traits::SmemLayoutQ{});
   Tensor sQt = make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutQt{});
   Tensor sDot = make_tensor(make_smem_ptr(smem_do), typename Traits::SmemLayoutQt{});
-  Tensor sKw = local_tile(sK(_, _, 0), Shape<_64, Int<D>>{}, make_coord(wg, 0));
-  Tensor sVw = local_tile(sV(_, _, 0), Shape<_64, Int<D>>{}, make_coord(wg, 0));
+  const int key_wg = kSplit ? 0 : wg;  // this consumer's 64-key slice of the CTA
+  const int col_wg = kSplit ? wg : 0;  // and its slice of dK's and dV's columns
+  Tensor sKw = local_tile(sK(_, _, 0), Shape<_64, Int<D>>{}, make_coord(key_wg, 0));
+  Tensor sVw = local_tile(sV(_, _, 0), Shape<_64, Int<D>>{}, make_coord(key_wg, 0));
 
   // (MMA, 1, D/16): descriptors, or registers ([Note] K and V in registers), filled below once
   // K and V have landed
@@ -519,13 +591,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   Tensor tSrV = thr_sdp.partition_fragment_A(sVw);
   Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, 1, D/16, S)
   Tensor tSrDo = thr_sdp.partition_fragment_B(sDo);
-  Tensor tKVrDo = thr_dkv.partition_fragment_B(sDot); // (MMA, 1, M/16, S)
-  Tensor tKVrQ = thr_dkv.partition_fragment_B(sQt);
+  // (MMA, 1, M/16, S): this consumer's kDkv columns of dO and Q
+  Tensor tKVrDo = thr_dkv.partition_fragment_B(
+      local_tile(sDot, Shape<Int<kDkv>, Int<M>, Int<S>>{}, make_coord(col_wg, 0, 0)));
+  Tensor tKVrQ = thr_dkv.partition_fragment_B(
+      local_tile(sQt, Shape<Int<kDkv>, Int<M>, Int<S>>{}, make_coord(col_wg, 0, 0)));
   Tensor tSrS = partition_fragment_C(mma_sdp, Shape<_64, Int<M>>{});
   Tensor tSrDp = partition_fragment_C(mma_sdp, Shape<_64, Int<M>>{});
   Tensor tSrT = make_fragment_like(tSrS);  // softcap's t; unused (and removed) otherwise
-  Tensor tDvrDv = partition_fragment_C(mma_dkv, Shape<_64, Int<D>>{});
-  Tensor tDkrDk = partition_fragment_C(mma_dkv, Shape<_64, Int<D>>{});
+  Tensor tDvrDv = partition_fragment_C(mma_dkv, Shape<_64, Int<kDkv>>{});
+  Tensor tDkrDk = partition_fragment_C(mma_dkv, Shape<_64, Int<kDkv>>{});
   Tensor tPa = make_tensor<Element>(AOperandShape<M / 8>{});
   Tensor tDsa = make_tensor<Element>(AOperandShape<M / 8>{});
   Tensor tPa_words = recast<uint32_t>(tPa);
@@ -538,7 +613,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   Tensor tQrDq = partition_fragment_C(mma_dq, Shape<Int<M>, Int<Traits::kDqCols>>{});
   float4* dq_tile = reinterpret_cast<float4*>(smem + Traits::kOffsetDq);
 
-  const int key_lo = n_block * N + wg * Traits::kKeysPerWarpgroup;  // this warpgroup's keys
+  const int key_lo = n_block * N + key_wg * Traits::kKeysPerWarpgroup;  // this warpgroup's keys
   const int key0 = key_lo + 16 * warp + lane / 4;                   // this thread's first key
   const int col_lane = 2 * (lane % 4);
   const BandMask<Traits::kWindow> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, f.window_left,
@@ -655,12 +730,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       typename Traits::SmemCopyDs copy_ds;
       auto thr_copy_ds = copy_ds.get_thread_slice(tid);
       Tensor tDsc = make_tensor(tDsa.data(), tSrDp.layout());
-      Tensor tSsDs = thr_copy_ds.partition_D(local_tile(sDsT, Shape<_64, Int<M>>{}, make_coord(wg, 0)));
-      if (j > 0) named_barrier_sync(kDqEmptyBarrier, kDqThreads);  // last step's dS and dQ tiles are free
-      cute::copy(copy_ds, thr_copy_ds.retile_S(tDsc), tSsDs);
-      cutlass::arch::fence_view_async_shared();
+      Tensor tSsDs = thr_copy_ds.partition_D(
+          local_tile(sDsT, Shape<_64, Int<M>>{}, make_coord(key_wg, 0)));
+      // last step's dS and dQ tiles are free (split: both consumers' dQ GEMMs retired)
+      if (j > 0) named_barrier_sync(kDqEmptyBarrier, kSplit ? kDsThreads : kDqThreads);
+      if (!kSplit || wg == 0) {  // split: dS^T is the same in both consumers
+        cute::copy(copy_ds, thr_copy_ds.retile_S(tDsc), tSsDs);
+        cutlass::arch::fence_view_async_shared();
+      }
       named_barrier_sync(kDsBarrier, kDsThreads);
 
+      if constexpr (kSplit) {
+        // dV and dK retire first, so that P^T's and dS^T's registers are free before dQ's
+        // 64 x D/2 accumulator is live (else ptxas serialises every wgmma at D=256, C7512)
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tDvrDv);
+        warpgroup_fence_operand(tDkrDk);
+        warpgroup_fence_operand(tPa_words);
+        warpgroup_fence_operand(tDsa_words);
+      }
       // dQ tile, this consumer's half of the columns, over all kBlockN keys
       warpgroup_fence_operand(tQrDq);
       warpgroup_arrive();
@@ -678,39 +766,46 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       warpgroup_fence_operand(tPa_words);
       warpgroup_fence_operand(tDsa_words);
       Barrier::arrive(&empty[st.stage]);
-      CUTE_UNROLL
-      for (int g = 0; g < Traits::kDqCols / 8; ++g) {
-        st_shared_float4(&dq_tile[(wg * (Traits::kDqCols / 8) + g) * 128 + tid],
-                         tQrDq(make_coord(0, 0, g), 0, 0), tQrDq(make_coord(1, 0, g), 0, 0),
-                         tQrDq(make_coord(0, 1, g), 0, 0), tQrDq(make_coord(1, 1, g), 0, 0));
+      if constexpr (kSplit) {
+        bwd_dq_from_registers<Traits>(p, seq, batch, head0 + j / m_count, q_lo, n_block, tQrDq,
+                                      wg, tid);
+      } else {
+        CUTE_UNROLL
+        for (int g = 0; g < Traits::kDqCols / 8; ++g) {
+          st_shared_float4(&dq_tile[(wg * (Traits::kDqCols / 8) + g) * 128 + tid],
+                           tQrDq(make_coord(0, 0, g), 0, 0), tQrDq(make_coord(1, 0, g), 0, 0),
+                           tQrDq(make_coord(0, 1, g), 0, 0), tQrDq(make_coord(1, 1, g), 0, 0));
+        }
+        cutlass::arch::fence_view_async_shared();
+        named_barrier_arrive(kDqFullBarrier, kDqThreads);  // the dQ warp sends the tile
       }
-      cutlass::arch::fence_view_async_shared();
-      named_barrier_arrive(kDqFullBarrier, kDqThreads);  // the dQ warp sends the tile
       st.advance();
     }
   }
 
-  // epilogue: this warpgroup's 64 keys of dK (scaled) and dV
-  const int rows_valid = seq.seqlen_k - (n_block * N + wg * Traits::kKeysPerWarpgroup);
-  const int row_start = seq.k_start + n_block * N + wg * Traits::kKeysPerWarpgroup;
+  // epilogue: this warpgroup's 64 keys of dK (scaled) and dV, its kDkv columns of them
+  const int rows_valid = seq.seqlen_k - key_lo;
+  const int row_start = seq.k_start + key_lo;
   const int r0 = 16 * warp + lane / 4;
+  const int col0 = col_wg * kDkv;
+  const int cols_valid = f.head_dim - col0;
   if (p.dkv_partial != nullptr) {  // [Note] Backward group split: this split's fp32 partials
     float* dk = p.dkv_partial + split * p.part_split_stride + int64_t(batch) * p.part_batch_stride +
                 int64_t(kv_head) * p.part_head_stride;
-    store_rows<float, D>(tDkrDk, args.grad_scale, dk, p.part_row_stride, r0, row_start,
-                         rows_valid, f.head_dim, col_lane);
-    store_rows<float, D>(tDvrDv, 1.f, dk + p.part_half_stride, p.part_row_stride, r0, row_start,
-                         rows_valid, f.head_dim, col_lane);
+    store_rows<float, kDkv>(tDkrDk, args.grad_scale, dk + col0, p.part_row_stride, r0,
+                            row_start, rows_valid, cols_valid, col_lane);
+    store_rows<float, kDkv>(tDvrDv, 1.f, dk + p.part_half_stride + col0, p.part_row_stride, r0,
+                            row_start, rows_valid, cols_valid, col_lane);
     return;
   }
   Element* dk = static_cast<Element*>(p.dk) + int64_t(batch) * p.dk_batch_stride +
                 int64_t(kv_head) * p.dk_head_stride;
   Element* dv = static_cast<Element*>(p.dv) + int64_t(batch) * p.dv_batch_stride +
                 int64_t(kv_head) * p.dv_head_stride;
-  store_rows<Element, D>(tDkrDk, args.grad_scale, dk, p.dk_row_stride, r0, row_start, rows_valid,
-                         f.head_dim, col_lane);
-  store_rows<Element, D>(tDvrDv, 1.f, dv, p.dv_row_stride, r0, row_start, rows_valid, f.head_dim,
-                         col_lane);
+  store_rows<Element, kDkv>(tDkrDk, args.grad_scale, dk + col0, p.dk_row_stride, r0, row_start,
+                            rows_valid, cols_valid, col_lane);
+  store_rows<Element, kDkv>(tDvrDv, 1.f, dv + col0, p.dv_row_stride, r0, row_start, rows_valid,
+                            cols_valid, col_lane);
 #endif
 }
 

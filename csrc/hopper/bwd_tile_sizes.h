@@ -16,5 +16,9 @@ template <> struct BwdTileSize<64> { static constexpr int kBlockM = 64, kBlockN 
 template <> struct BwdTileSize<96> { static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2; };
 // K+V 64 KB + 2 stages x (Q+dO) 32 KB + dS 16 KB + dQ 32 KB = 176 KB; registers dK + dV + dQ half = 64 + 64 + 32 per thread.
 template <> struct BwdTileSize<128> { static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2; };
+// head-dim split: K+V 48 KB + 2 stages x (Q+dO) 48 KB + dS 8 KB = 152 KB, no dQ tile; registers dK + dV + dQ halves = 48 + 48 + 48 per thread.
+template <> struct BwdTileSize<192> { static constexpr int kBlockM = 64, kBlockN = 64, kStages = 2; };
+// head-dim split: K+V 64 KB + 2 stages x (Q+dO) 64 KB + dS 8 KB = 200 KB (a 64 KB dQ tile would not fit); registers dK + dV + dQ halves = 64 + 64 + 64.
+template <> struct BwdTileSize<256> { static constexpr int kBlockM = 64, kBlockN = 64, kStages = 2; };
 
 }  // namespace flash::hopper

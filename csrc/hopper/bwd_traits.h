@@ -1,18 +1,33 @@
 // Compile-time shape of one backward instantiation: tiles, shared-memory layouts, warpgroup GEMMs.
 //
 // Glossary
-//   kBlockN      keys per CTA (two consumer warpgroups of 64 keys each); dK and dV of these keys
-//                stay in registers for the whole CTA
+//   kBlockN      keys per CTA (two consumer warpgroups of 64 keys each; 64 keys shared by both
+//                under a head-dim split); dK and dV of these keys stay in registers for the
+//                whole CTA
 //   kBlockM      query rows per pipeline step (one Q tile and one dO tile per stage)
 //   S^T = K Q^T          scores, transposed (rows = keys), SS GEMM (RS at D=64: [Note] K and V
 //                        in registers)
 //   dP^T = V dO^T        SS GEMM (RS at D=64)
-//   dV += P^T dO         RS GEMM: P^T from registers, dO read MN-major (its rows are the K extent)
+//   dV += P^T dO         RS GEMM: P^T from registers, dO read MN-major (its rows are the K extent);
+//                        kDkvCols wide (half the head dim under a head-dim split)
 //   dK += dS^T Q         RS GEMM, Q read MN-major
 //   dQ_tile = dS K       SS GEMM over all kBlockN keys: both consumers write their dS^T into one
 //                        shared tile (MN-major A), and each computes half of dQ's columns
 //                        (K read MN-major, sliced at a column chunk); the 64 x kHeadDim fp32 tile
 //                        goes to shared memory and one bulk reduce-add sends it to dq_acc
+//
+// [Note] Backward head-dim split
+// Above D=128 the two-consumer decomposition does not fit: dK and dV of 64 keys are 2 x D/2
+// fp32 registers per consumer thread (256 at D=256), and K, V of 128 keys plus two stages of Q
+// and dO exceed shared memory. There (kSplitHeadDim) the CTA holds 64 keys and both consumers
+// work on all of them: each computes the same S^T and dP^T (64 x kBlockM over the whole head
+// dim) but owns half of the head dim's columns of dK, dV and dQ (kDkvCols = kDqCols = D/2: 64 +
+// 64 + 64 registers at D=256). The price is the redundant S^T and dP^T: 7 GEMM units per step
+// instead of 5. dS^T is the same in both consumers, so one of them stores it. The fp32 dQ tile of
+// 64 x D would not fit beside two pipeline stages either (64 KB at D=256), so each consumer adds
+// its dQ fragments straight from registers into dq_acc (vector reductions in the same fragment
+// order the dQ warp's tile has, so dq_acc and the cast kernel are unchanged) and the dQ warp is
+// not used ([Note] dQ from registers in bwd_kernel.h).
 //
 // [Note] One tile, two views
 // Q, dO, K and V land from the copy engine as (rows, kHeadDim) tiles in the chunk-stacked swizzled
@@ -37,14 +52,19 @@ struct BwdTraits {
   static constexpr int kBlockM = Tile::kBlockM;
   static constexpr int kBlockN = Tile::kBlockN;
   static constexpr int kStages = Tile::kStages;
+  // [Note] Backward head-dim split
+  static constexpr bool kSplitHeadDim = kHeadDim > 128;
   // each consumer's half of the dQ tile's columns
   static constexpr int kDqCols = kHeadDim / 2;
+  // each consumer's columns of dK and dV
+  static constexpr int kDkvCols = kSplitHeadDim ? kHeadDim / 2 : kHeadDim;
 
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kKeysPerWarpgroup = 64;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
-  static_assert(kBlockN == kKeysPerWarpgroup * kConsumerWarpgroups, "one 64-key slice per consumer");
+  static_assert(kBlockN == kKeysPerWarpgroup * (kSplitHeadDim ? 1 : kConsumerWarpgroups),
+                "one 64-key slice per consumer, or one shared by both under a head-dim split");
   static_assert(kBlockM == 64, "the dS tile is one 64 x 64 swizzle block");
   static_assert(kHeadDim % 16 == 0, "GEMM K extents are multiples of 16");
 
@@ -54,6 +74,7 @@ struct BwdTraits {
   static constexpr int kChunk = kSwizzleBytes / int(sizeof(Element));
   static constexpr int kChunks = kHeadDim / kChunk;
   static_assert(kDqCols % kChunk == 0, "each half of the head dim is whole swizzle rows");
+  static_assert(kDqCols % 8 == 0, "dQ fragments are whole 8-column groups");
 
   using AtomK = typename SwizzleAtoms<kSwizzleBytes, Element>::K;
   using AtomMN = typename SwizzleAtoms<kSwizzleBytes, Element>::MN;
@@ -93,7 +114,7 @@ struct BwdTraits {
                            cute::Shape<cute::_64, cute::Int<kBlockM>, cute::Int<kHeadDim>>>())));
   using MmaDkv = decltype(cute::make_tiled_mma(
       gmma::rs_op_selector<Element, Element, float,
-                           cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockM>>,
+                           cute::Shape<cute::_64, cute::Int<kDkvCols>, cute::Int<kBlockM>>,
                            gmma::Major::K, gmma::Major::MN>()));
   using MmaDq = decltype(cute::make_tiled_mma(
       gmma::ss_op_selector<Element, Element, float,
@@ -108,7 +129,8 @@ struct BwdTraits {
   static constexpr int kTileBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kTileBytesK = kBlockN * kHeadDim * int(sizeof(Element));
   static constexpr int kTileBytesDs = kBlockM * kBlockN * int(sizeof(Element));
-  static constexpr int kTileBytesDq = kBlockM * kHeadDim * int(sizeof(float));
+  // the fp32 dQ tile the dQ warp sends; none under a head-dim split ([Note] dQ from registers)
+  static constexpr int kTileBytesDq = kSplitHeadDim ? 0 : kBlockM * kHeadDim * int(sizeof(float));
   static constexpr int kRowBytes = kBlockM * int(sizeof(float));  // lse2 or delta of one step
 
   // Dynamic shared memory: K, V, Q stages, dO stages, dS, the fp32 dQ tile, lse2 and delta

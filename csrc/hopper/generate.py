@@ -58,6 +58,11 @@ BWD_TILES = {
                      "swizzle (48 dQ columns per consumer = 3 chunks)."),
     128: (64, 128, 2, "K+V 64 KB + 2 stages x (Q+dO) 32 KB + dS 16 KB + dQ 32 KB = 176 KB; "
                       "registers dK + dV + dQ half = 64 + 64 + 32 per thread."),
+    # [Note] Backward head-dim split (bwd_traits.h): above D=128 both consumers share 64 keys
+    192: (64, 64, 2, "head-dim split: K+V 48 KB + 2 stages x (Q+dO) 48 KB + dS 8 KB = 152 KB, no "
+                     "dQ tile; registers dK + dV + dQ halves = 48 + 48 + 48 per thread."),
+    256: (64, 64, 2, "head-dim split: K+V 64 KB + 2 stages x (Q+dO) 64 KB + dS 8 KB = 200 KB (a "
+                     "64 KB dQ tile would not fit); registers dK + dV + dQ halves = 64 + 64 + 64."),
 }
 DTYPES = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t"}
 FEATURES = [(False, False), (False, True), (True, False), (True, True)]  # (window, softcap)
@@ -143,8 +148,9 @@ PY_END = "# END GENERATED"
 def cuda_py_block() -> str:
     dims = ", ".join(str(d) for d in TILES)
     bwd_dims = ", ".join(str(d) for d in BWD_TILES)
+    keys = ", ".join(f"{d}: {n}" for d, (_, n, _, _) in BWD_TILES.items())
     return (f"{PY_BEGIN}\n_COMPILED_HEAD_DIMS = ({dims})\n_COMPILED_BWD_HEAD_DIMS = ({bwd_dims})\n"
-            f"{PY_END}")
+            f"_BWD_KEYS_PER_CTA = {{{keys}}}\n{PY_END}")
 
 
 def updated_cuda_py(text: str) -> str:
