@@ -69,7 +69,7 @@ for phase in "${phases[@]}"; do
       # The sm90 backward called directly: one smoke case first (a hang or a fault stops here),
       # then every feature against the float64 reference.
       run_phase cudabwd-smoke timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider \
-        tests/test_cuda_bwd.py -k "test_head_dims and bf16 and 128 and full"
+        tests/test_cuda_bwd.py -k "test_head_dims and bf16 and full and (128 or 256)"
       if [[ $status -eq 0 ]]; then
         run_phase cudabwd timeout "${CUDABWD_TIMEOUT:-300}" python3 -m pytest -q -rfE \
           -p no:cacheprovider -n "${TEST_WORKERS:-12}" tests/test_cuda_bwd.py
