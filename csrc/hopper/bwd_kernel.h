@@ -53,10 +53,11 @@
 // its fragments into dq_acc with 16-byte vector reductions (red.global.add.v4.f32), at the
 // addresses where the dQ warp's bulk copy would have put them (chunk g of consumer w's columns:
 // 128 float4 of its 128 threads), so a warp's reductions cover 512 contiguous bytes and dq_acc's
-// order and the cast kernel are the same for every head dim. dS^T is the same in both consumers
-// (both compute the full S^T and dP^T), so consumer 0 alone stores it; before it overwrites the
-// tile, both consumers meet at kDqEmptyBarrier (256 threads) once their previous dQ GEMMs have
-// retired. In deterministic mode thread 0 of each consumer waits for the block's turn as the dQ
+// order and the cast kernel are the same for every head dim. Each consumer has a dS tile of its
+// own (both hold the same dS^T: both compute the full S^T and dP^T), so the consumers never meet:
+// a consumer's dQ GEMM of the previous step has retired (its own wait) before it overwrites its
+// tile, and its warpgroup meets at kDsWgBarrier + wg (128 threads) between the stores and the
+// dQ GEMM that reads them. In deterministic mode thread 0 of each consumer waits for the block's turn as the dQ
 // warp would ([Note] Deterministic dQ), its warpgroup waits for it, all threads reduce and fence,
 // both consumers meet, and consumer 0's thread 0 publishes the next rank.
 //
@@ -94,6 +95,7 @@ constexpr int kDqFullBarrier = 2;           // both consumers and the dQ warp
 constexpr int kDqEmptyBarrier = 3;
 constexpr int kDqTurnBarrier = 4;           // head-dim split, deterministic: both consumers
 constexpr int kDqTurnWgBarrier = 5;         // ... and 5 + wg: one consumer ([Note] dQ from registers)
+constexpr int kDsWgBarrier = 7;             // head-dim split: 7 + wg, one consumer's dS tile
 constexpr int kDsThreads = 256;
 constexpr int kDqThreads = 256 + 32;
 constexpr int kWorkspaceRows = 64;          // [Note] Backward workspaces
@@ -606,6 +608,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   Tensor tPa_words = recast<uint32_t>(tPa);
   Tensor tDsa_words = recast<uint32_t>(tDsa);
   static_assert(decltype(size<0, 2>(tSrS))::value == M / 8, "accumulator layout ((2,2,M/8),1,1)");
+  if constexpr (kSplit) smem_ds += wg * (Traits::kTileBytesDs / int(sizeof(Element)));
   Tensor sDs = make_tensor(make_smem_ptr(smem_ds), typename Traits::SmemLayoutDs{});
   Tensor tQrDs = thr_dq.partition_fragment_A(sDs);  // (MMA, 1, N/16)
   Tensor tQrK = thr_dq.partition_fragment_B(
@@ -732,13 +735,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       Tensor tDsc = make_tensor(tDsa.data(), tSrDp.layout());
       Tensor tSsDs = thr_copy_ds.partition_D(
           local_tile(sDsT, Shape<_64, Int<M>>{}, make_coord(key_wg, 0)));
-      // last step's dS and dQ tiles are free (split: both consumers' dQ GEMMs retired)
-      if (j > 0) named_barrier_sync(kDqEmptyBarrier, kSplit ? kDsThreads : kDqThreads);
-      if (!kSplit || wg == 0) {  // split: dS^T is the same in both consumers
+      if constexpr (kSplit) {  // this consumer's own dS tile ([Note] dQ from registers)
         cute::copy(copy_ds, thr_copy_ds.retile_S(tDsc), tSsDs);
         cutlass::arch::fence_view_async_shared();
+        named_barrier_sync(kDsWgBarrier + wg, 128);
+      } else {
+        if (j > 0) named_barrier_sync(kDqEmptyBarrier, kDqThreads);  // last step's dS and dQ tiles are free
+        cute::copy(copy_ds, thr_copy_ds.retile_S(tDsc), tSsDs);
+        cutlass::arch::fence_view_async_shared();
+        named_barrier_sync(kDsBarrier, kDsThreads);
       }
-      named_barrier_sync(kDsBarrier, kDsThreads);
 
       if constexpr (kSplit) {
         // dV and dK retire first, so that P^T's and dS^T's registers are free before dQ's

@@ -23,7 +23,8 @@
 // work on all of them: each computes the same S^T and dP^T (64 x kBlockM over the whole head
 // dim) but owns half of the head dim's columns of dK, dV and dQ (kDkvCols = kDqCols = D/2: 64 +
 // 64 + 64 registers at D=256). The price is the redundant S^T and dP^T: 7 GEMM units per step
-// instead of 5. dS^T is the same in both consumers, so one of them stores it. The fp32 dQ tile of
+// instead of 5. Each consumer stores its dS^T into a dS tile of its own, so the consumers never
+// wait for each other (the pipeline slots aside). The fp32 dQ tile of
 // 64 x D would not fit beside two pipeline stages either (64 KB at D=256), so each consumer adds
 // its dQ fragments straight from registers into dq_acc (vector reductions in the same fragment
 // order the dQ warp's tile has, so dq_acc and the cast kernel are unchanged) and the dQ warp is
@@ -129,6 +130,9 @@ struct BwdTraits {
   static constexpr int kTileBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kTileBytesK = kBlockN * kHeadDim * int(sizeof(Element));
   static constexpr int kTileBytesDs = kBlockM * kBlockN * int(sizeof(Element));
+  // one dS tile shared by the consumers, or one each under a head-dim split ([Note] dQ from
+  // registers in bwd_kernel.h)
+  static constexpr int kDsTiles = kSplitHeadDim ? kConsumerWarpgroups : 1;
   // the fp32 dQ tile the dQ warp sends; none under a head-dim split ([Note] dQ from registers)
   static constexpr int kTileBytesDq = kSplitHeadDim ? 0 : kBlockM * kHeadDim * int(sizeof(float));
   static constexpr int kRowBytes = kBlockM * int(sizeof(float));  // lse2 or delta of one step
@@ -139,7 +143,7 @@ struct BwdTraits {
   static constexpr int kOffsetQ = kOffsetV + kTileBytesK;
   static constexpr int kOffsetDo = kOffsetQ + kStages * kTileBytesQ;
   static constexpr int kOffsetDs = kOffsetDo + kStages * kTileBytesQ;
-  static constexpr int kOffsetDq = kOffsetDs + kTileBytesDs;
+  static constexpr int kOffsetDq = kOffsetDs + kDsTiles * kTileBytesDs;
   static constexpr int kOffsetLse = kOffsetDq + kTileBytesDq;
   static constexpr int kOffsetDelta = kOffsetLse + kStages * kRowBytes;
   static constexpr int kOffsetBarriers = kOffsetDelta + kStages * kRowBytes;
