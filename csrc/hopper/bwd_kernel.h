@@ -61,20 +61,6 @@
 // warp would ([Note] Deterministic dQ), its warpgroup waits for it, all threads reduce and fence,
 // both consumers meet, and consumer 0's thread 0 publishes the next rank.
 //
-// [Note] Backward Q/dO multicast
-// Under a head-dim split a CTA holds 64 keys, so every Q and dO tile of a head is read by twice
-// as many CTAs as at D<=128 (ncu, D=256 4k: L2 throughput 71%, SM 55%). The launch pairs
-// adjacent key blocks of one (kv head, split, batch) into a cluster of two CTAs that walk the
-// same query blocks: the union of the two CTAs' ranges, a step outside a CTA's own range only
-// waited for and released. Per step, rank 0's producer loads the Q tile and rank 1's the dO
-// tile, each multicast into both CTAs' slot and counted on both CTAs' full[] barrier (each
-// producer expects the whole step's bytes on its own CTA's barrier; lse2 and delta stay local).
-// A slot is refilled only when the consumers of both CTAs are done with it: one lane per
-// consumer warp arrives at its own CTA's empty[] and at the peer's (16 arrivals per phase). The
-// CTAs meet (barrier.cluster) after the barrier init, and again after their last step, so that
-// neither exits while the other can still write into its shared memory. A CTA past the end of a
-// shorter varlen sequence stays in the walk (its range is empty) and stores nothing.
-//
 // [Note] Deterministic dQ
 // With a semaphore array (one int per workspace block, zeroed by the preprocess), the CTAs that add into one dQ
 // block do so in increasing key-block order: CTA n waits until the block's counter equals its
@@ -451,44 +437,6 @@ __device__ __forceinline__ void bwd_dq_warp(const FlashBwdParams& p, const SeqIn
   if (lane == 0) bulk_wait_all();  // the CTA's shared memory outlives the last reduce
 }
 
-// All non-exited threads of the cluster meet (threads that exited do not hold it up).
-__device__ __forceinline__ void cluster_barrier_sync() {
-  asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
-  asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
-}
-
-// One tile of `rows` rows, like load_tile, written into the same shared-memory offset of both
-// CTAs of the cluster and counted on the barrier at the same offset in each ([Note] Backward
-// Q/dO multicast).
-template <class Traits>
-__device__ __forceinline__ void load_tile_multicast(const CUtensorMap* map, uint64_t* bar,
-                                                    typename Traits::Element* smem, int rows,
-                                                    int row, int head, int batch) {
-  constexpr uint16_t kBothCtas = (1u << Traits::kClusterKeys) - 1;
-  CUTE_UNROLL
-  for (int c = 0; c < Traits::kChunks; ++c) {
-    cute::SM90_TMA_LOAD_MULTICAST_4D::copy(
-        map, bar, kBothCtas, static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL),
-        smem + c * rows * Traits::kChunk, c * Traits::kChunk, row, head, batch);
-  }
-}
-
-// A consumer thread is done with a pipeline slot (its GEMMs that read Q and dO retired, its
-// lse2/delta reads done). In a cluster one lane per warp arrives, at this CTA's empty barrier
-// and at the peer's, whose producer multicasts into this CTA's slot too.
-template <class Traits>
-__device__ __forceinline__ void release_slot(uint64_t* empty, int n_block, int lane) {
-  if constexpr (Traits::kClusterKeys > 1) {
-    __syncwarp();
-    if (lane == 0) {
-      cutlass::arch::ClusterBarrier::arrive(empty);
-      cutlass::arch::ClusterBarrier::arrive(empty, uint32_t(n_block ^ 1) & 1u, 1u);
-    }
-  } else {
-    cutlass::arch::ClusterTransactionBarrier::arrive(empty);
-  }
-}
-
 // One consumer's dQ fragments of one step into dq_acc ([Note] dQ from registers), in key-block
 // order in deterministic mode ([Note] Deterministic dQ).
 template <class Traits, class Frag>
@@ -536,42 +484,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   const FlashBwdParams& p = args.p;
   const FlashParams& f = p.fwd;
 
-  constexpr int kCluster = Traits::kClusterKeys;  // [Note] Backward Q/dO multicast
   const int n_block = blockIdx.x;  // causal: the first key blocks see the most queries, go first
   // [Note] Backward group split: blockIdx.y = kv head * group_splits + split
   const int kv_head = blockIdx.y / p.group_splits;
   const int split = blockIdx.y % p.group_splits;
   const int batch = blockIdx.z;
   const SeqInfo seq(f, batch);
-  // varlen: this sequence is shorter than the grid (in a cluster the CTA still serves its peer)
-  if (kCluster == 1 && n_block * N >= seq.seqlen_k) return;
+  if (n_block * N >= seq.seqlen_k) return;  // varlen: this sequence is shorter than the grid
   const int group = f.heads_q / f.heads_kv;
-  // Query blocks [lo, hi) that key block nb sees; none past the sequence's keys.
-  auto visible_queries = [&](int nb, int& lo, int& hi) {
-    lo = hi = 0;
-    if (nb * N < seq.seqlen_k) {
-      query_block_range<Traits>(f, nb * N, min(nb * N + N, seq.seqlen_k) - 1, seq.seqlen_q,
-                                seq.seqlen_k, lo, hi);
-    }
-  };
-  int m_min, m_max;  // this CTA's query blocks
-  visible_queries(n_block, m_min, m_max);
+  int m_min, m_max;
+  query_block_range<Traits>(f, n_block * N, min(n_block * N + N, seq.seqlen_k) - 1, seq.seqlen_q,
+                            seq.seqlen_k, m_min, m_max);
   const int m_count = max(m_max - m_min, 0);
-  // The query blocks the pipeline walks: this CTA's, or the union of the cluster's CTAs'.
-  int u_min = m_min, u_max = m_max;
-  if constexpr (kCluster > 1) {
-    int peer_min, peer_max;
-    visible_queries(n_block ^ 1, peer_min, peer_max);
-    if (m_count == 0) {
-      u_min = peer_min, u_max = peer_max;
-    } else if (peer_max > peer_min) {
-      u_min = min(m_min, peer_min), u_max = max(m_max, peer_max);
-    }
-  }
-  const int u_count = max(u_max - u_min, 0);
   const int heads_per_split = group / p.group_splits;
   const int head0 = kv_head * group + split * heads_per_split;  // this CTA's first query head
-  const int steps = heads_per_split * u_count;
+  const int steps = heads_per_split * m_count;
 
   extern __shared__ char smem_raw[];
   char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -596,20 +523,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     CUTE_UNROLL
     for (int s = 0; s < S; ++s) {
       Barrier::init(&full[s], 1);
-      Barrier::init(&empty[s], Traits::kEmptyArrivals);
+      Barrier::init(&empty[s], Traits::kConsumerThreads);
     }
     cutlass::arch::fence_barrier_init();
   }
-  if constexpr (kCluster > 1) {
-    cluster_barrier_sync();  // the peer's barriers exist before anything lands in or arrives at them
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kBwdProducerRegisters>();
     if (!kSplit && warp == 1 && steps > 0) {
-      bwd_dq_warp<Traits>(p, seq, batch, head0, n_block, u_min, u_count, steps,
+      bwd_dq_warp<Traits>(p, seq, batch, head0, n_block, m_min, m_count, steps,
                           reinterpret_cast<const float*>(smem + Traits::kOffsetDq), lane);
     }
     if (warp != 0 || !elect_one_sync() || steps == 0) return;
@@ -617,34 +540,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     prefetch_tma_descriptor(&args.tma_do);
     prefetch_tma_descriptor(&args.tma_k);
     prefetch_tma_descriptor(&args.tma_v);
-    if (m_count > 0) {  // K and V only where this CTA computes
-      const int key_row = seq.k_start + n_block * N;
-      Barrier::arrive_and_expect_tx(bar_kv, 2 * Traits::kTileBytesK);
-      load_tile<Traits>(&args.tma_k, bar_kv, smem_k, N, key_row, kv_head, seq.tma_batch);
-      load_tile<Traits>(&args.tma_v, bar_kv, smem_v, N, key_row, kv_head, seq.tma_batch);
-    }
+    const int key_row = seq.k_start + n_block * N;
+    Barrier::arrive_and_expect_tx(bar_kv, 2 * Traits::kTileBytesK);
+    load_tile<Traits>(&args.tma_k, bar_kv, smem_k, N, key_row, kv_head, seq.tma_batch);
+    load_tile<Traits>(&args.tma_v, bar_kv, smem_v, N, key_row, kv_head, seq.tma_batch);
     PipelineState<Traits> st;
     for (int j = 0; j < steps; ++j) {
-      const int head = head0 + j / u_count;
-      const int m = u_min + j % u_count;
+      const int head = head0 + j / m_count;
+      const int m = m_min + j % m_count;
       const int q_row = seq.q_start + m * M;
       const int64_t ws = workspace_row(p, batch, head) + m * M;
       Barrier::wait(&empty[st.stage], st.phase ^ 1u);
       Barrier::arrive_and_expect_tx(&full[st.stage], 2 * Traits::kTileBytesQ + 2 * Traits::kRowBytes);
-      if constexpr (kCluster > 1) {  // Q from rank 0, dO from rank 1, each into both CTAs
-        if ((n_block & 1) == 0) {
-          load_tile_multicast<Traits>(&args.tma_q, &full[st.stage], smem_q + st.stage * M * D, M,
-                                      q_row, head, seq.tma_batch);
-        } else {
-          load_tile_multicast<Traits>(&args.tma_do, &full[st.stage], smem_do + st.stage * M * D,
-                                      M, q_row, head, seq.tma_batch);
-        }
-      } else {
-        load_tile<Traits>(&args.tma_q, &full[st.stage], smem_q + st.stage * M * D, M, q_row, head,
-                          seq.tma_batch);
-        load_tile<Traits>(&args.tma_do, &full[st.stage], smem_do + st.stage * M * D, M, q_row,
-                          head, seq.tma_batch);
-      }
+      load_tile<Traits>(&args.tma_q, &full[st.stage], smem_q + st.stage * M * D, M, q_row, head,
+                        seq.tma_batch);
+      load_tile<Traits>(&args.tma_do, &full[st.stage], smem_do + st.stage * M * D, M, q_row, head,
+                        seq.tma_batch);
       SM90_BULK_COPY_G2S::copy(p.lse2 + ws, &full[st.stage], smem_lse + st.stage * M,
                                Traits::kRowBytes);
       SM90_BULK_COPY_G2S::copy(p.delta + ws, &full[st.stage], smem_delta + st.stage * M,
@@ -715,21 +626,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   clear(tDkrDk);
 
   if (steps > 0) {
-    if (m_count > 0) Barrier::wait(bar_kv, 0);
+    Barrier::wait(bar_kv, 0);
     if constexpr (Traits::kKvInRegisters) {
       cute::copy(thr_sdp.partition_A(sKw), tSrK);
       cute::copy(thr_sdp.partition_A(sVw), tSrV);
     }
     PipelineState<Traits> st;
     for (int j = 0; j < steps; ++j) {
-      const int m = u_min + j % u_count;
+      const int m = m_min + j % m_count;
       const int q_lo = m * M;
       Barrier::wait(&full[st.stage], st.phase);
-      if (kCluster > 1 && (m < m_min || m >= m_max)) {  // only the peer sees this query block
-        release_slot<Traits>(&empty[st.stage], n_block, lane);
-        st.advance();
-        continue;
-      }
 
       // S^T and dP^T, back to back
       warpgroup_fence_operand(tSrS);
@@ -865,9 +771,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       warpgroup_fence_operand(tDkrDk);
       warpgroup_fence_operand(tPa_words);
       warpgroup_fence_operand(tDsa_words);
-      release_slot<Traits>(&empty[st.stage], n_block, lane);
+      Barrier::arrive(&empty[st.stage]);
       if constexpr (kSplit) {
-        bwd_dq_from_registers<Traits>(p, seq, batch, head0 + j / u_count, q_lo, n_block, tQrDq,
+        bwd_dq_from_registers<Traits>(p, seq, batch, head0 + j / m_count, q_lo, n_block, tQrDq,
                                       wg, tid);
       } else {
         CUTE_UNROLL
@@ -882,9 +788,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       st.advance();
     }
   }
-  // the peer's last multicasts into this CTA and arrivals at its barriers are done before
-  // either CTA exits
-  if constexpr (kCluster > 1) cluster_barrier_sync();
 
   // epilogue: this warpgroup's 64 keys of dK (scaled) and dV, its kDkv columns of them
   const int rows_valid = seq.seqlen_k - key_lo;

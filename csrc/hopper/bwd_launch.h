@@ -62,30 +62,11 @@ FwdStatus launch_bwd(const FlashBwdParams& p, cudaStream_t stream, char* why, in
                                Traits::kSmemBytes);
   }
   if (err == cudaSuccess && f.seqlen_k > 0) {
-    // [Note] Backward group split: group_splits CTAs per (key block, kv head, batch); key blocks
-    // in clusters of kClusterKeys ([Note] Backward Q/dO multicast in bwd_kernel.h)
-    constexpr int kCluster = Traits::kClusterKeys;
-    const int key_blocks = (f.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-    const dim3 grid((key_blocks + kCluster - 1) / kCluster * kCluster,
+    // [Note] Backward group split: group_splits CTAs per (key block, kv head, batch)
+    const dim3 grid((f.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN,
                     f.heads_kv * p.group_splits, f.batch);
-    if constexpr (kCluster > 1) {
-      cudaLaunchAttribute cluster;
-      cluster.id = cudaLaunchAttributeClusterDimension;
-      cluster.val.clusterDim.x = kCluster;
-      cluster.val.clusterDim.y = 1;
-      cluster.val.clusterDim.z = 1;
-      cudaLaunchConfig_t config = {};
-      config.gridDim = grid;
-      config.blockDim = dim3(Traits::kThreads);
-      config.dynamicSmemBytes = Traits::kSmemBytes;
-      config.stream = stream;
-      config.attrs = &cluster;
-      config.numAttrs = 1;
-      err = cudaLaunchKernelEx(&config, kernel, args);
-    } else {
-      kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
-      err = cudaGetLastError();
-    }
+    kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
+    err = cudaGetLastError();
   }
   if (err == cudaSuccess && has_rows) {
     bwd_dq_cast_kernel<Element, D><<<rows_grid, 128, 0, stream>>>(p, f.scale, vec_dq);

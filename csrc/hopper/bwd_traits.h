@@ -130,12 +130,6 @@ struct BwdTraits {
   static constexpr int kTileBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kTileBytesK = kBlockN * kHeadDim * int(sizeof(Element));
   static constexpr int kTileBytesDs = kBlockM * kBlockN * int(sizeof(Element));
-  // CTAs per cluster along the key blocks, sharing each Q and dO tile ([Note] Backward Q/dO
-  // multicast in bwd_kernel.h), and the arrivals that free a pipeline slot: every consumer
-  // thread, or one lane per consumer warp of each CTA of a cluster
-  static constexpr int kClusterKeys = kSplitHeadDim ? 2 : 1;
-  static constexpr int kEmptyArrivals =
-      kClusterKeys > 1 ? kClusterKeys * kConsumerThreads / 32 : kConsumerThreads;
   // one dS tile shared by the consumers, or one each under a head-dim split ([Note] dQ from
   // registers in bwd_kernel.h)
   static constexpr int kDsTiles = kSplitHeadDim ? kConsumerWarpgroups : 1;
