@@ -54,6 +54,16 @@ def _check(backend, q, k, v, params, *, cu_q=None, cu_k=None, s_aux=None, label=
     return grads
 
 
+def _assert_bitwise_reproducible(backend, q, k, v, params, *, cu_q=None, cu_k=None):
+    """Two backward runs on the same inputs (deterministic mode) give identical bits."""
+    launch = dict(params=params, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    out, lse = run_forward(backend, q, k, v, **launch)
+    dout = torch.randn_like(out)
+    runs = [run_backward(backend, dout, q, k, v, out, lse, **launch) for _ in range(2)]
+    for name in ("dq", "dk", "dv"):
+        assert torch.equal(runs[0][name], runs[1][name]), f"{name} differs between two runs"
+
+
 def _assert_within_rounding_noise(name, ours, q, k, v, out, dout, ref64, kwargs, label):
     """dQ and dK when every query sees at most one key: dS is exactly 0, so are they, and the
     relative rule has nothing to measure against. A FlashAttention backward computes
@@ -177,12 +187,7 @@ def test_group_split(cuda_backend, attn_params, monkeypatch, case, splits):
     _check(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k, label=case)
     assert chosen == [splits], "the split launch did not run"
     if params.deterministic:
-        out, lse = run_forward(cuda_backend, q, k, v, params=params)
-        dout = torch.randn_like(out)
-        runs = [run_backward(cuda_backend, dout, q, k, v, out, lse, params=params)
-                for _ in range(2)]
-        for name in ("dq", "dk", "dv"):
-            assert torch.equal(runs[0][name], runs[1][name]), f"{name} differs between two runs"
+        _assert_bitwise_reproducible(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k)
 
 
 @pytest.mark.gpu
@@ -223,12 +228,7 @@ def test_head_dim_split(cuda_backend, attn_params, monkeypatch, case, d):
     if case == "group_split_mqa":
         assert chosen == [4], "the split launch did not run"
     if deterministic:
-        launch = dict(params=params, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-        out, lse = run_forward(cuda_backend, q, k, v, **launch)
-        dout = torch.randn_like(out)
-        runs = [run_backward(cuda_backend, dout, q, k, v, out, lse, **launch) for _ in range(2)]
-        for name in ("dq", "dk", "dv"):
-            assert torch.equal(runs[0][name], runs[1][name]), f"{name} differs between two runs"
+        _assert_bitwise_reproducible(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k)
 
 
 @pytest.mark.gpu
@@ -325,12 +325,7 @@ def test_deterministic_is_bitwise_reproducible(cuda_backend, attn_params, case):
                                 max_q=1500,
                          max_k=1700, deterministic=True)
     _check(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k)  # right, first
-    launch = dict(params=params, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    out, lse = run_forward(cuda_backend, q, k, v, **launch)
-    dout = torch.randn_like(out)
-    runs = [run_backward(cuda_backend, dout, q, k, v, out, lse, **launch) for _ in range(2)]
-    for name in ("dq", "dk", "dv"):
-        assert torch.equal(runs[0][name], runs[1][name]), f"{name} differs between two runs"
+    _assert_bitwise_reproducible(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k)
 
 
 @pytest.mark.gpu

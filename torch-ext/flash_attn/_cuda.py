@@ -37,7 +37,7 @@ VALIDATED = True
 # head dims 192 and 256 (the head-dim split) joined after the same checks on 2026-12-04
 # (test_cuda_bwd.py 129 cases, the GPU suite 412, the three sanitizer tools clean).
 BWD_VALIDATED = True
-# [Note: small banded grids] One CTA per (128 keys, kv head, batch): MQA and high GQA ratios
+# [Note: small banded grids] One CTA per (key block, kv head, batch): MQA and high GQA ratios
 # give few CTAs, and a causal band makes their work uneven, so the GPU idles while the longest
 # finish (H200, MQA 32/1 causal 4k/16k: 211-235 TFLOP/s against the Triton backward's 356-397,
 # whose launch splits the query-head group). The CUDA launch now splits the group too ([Note:
