@@ -74,7 +74,8 @@ def test_standard_grid_is_the_anchor_grid():
 
 @pytest.mark.kernels_ci
 def test_grids_cover_the_issue_workloads():
-    assert grid_names("all") == list(ALL_GRIDS) == ["standard", "gqa", "varlen", "decode", "window"]
+    assert grid_names("all") == list(ALL_GRIDS) == ["standard", "gqa", "varlen", "decode", "window",
+                                                    "wide"]
     assert grid_names("gqa, decode,gqa") == ["gqa", "decode"]
     with pytest.raises(ValueError, match="'nope' is not one of"):
         grid_names("gqa,nope")
@@ -90,6 +91,8 @@ def test_grids_cover_the_issue_workloads():
     assert max(w.seqlen_k for w in decode) == 131072
     assert {w.batch for w in decode} == {4, 64}  # small batch, and a serving-sized one
     assert all(w.windowed for w in grid_workloads("window"))
+    assert {(w.head_dim, w.heads_q, w.heads_kv) for w in grid_workloads("wide")} == {
+        (192, 16, 16), (256, 16, 8)}
     picked = grid_workloads("gqa,window", seqlens=[16384], head_dims=[128], match="h32-8")
     assert [w.name for w in picked] == ["gqa-d128-h32-8-b1-s16384-full", "gqa-d128-h32-8-b1-s16384-causal",
                                         "window-d128-h32-8-b1-s16384-causal-w4095.0"]

@@ -191,6 +191,13 @@ def _grid_window():
             for h, hkv in ((16, 16), (32, 8)) for s in (8192, 16384)]
 
 
+def _grid_wide():
+    """The wide head dims, where the CUDA backward splits the head dim between its consumers:
+    D=192 MHA 16/16 and D=256 GQA 16/8 (Gemma-2-9B's attention shape), 4k and 16k."""
+    return [_square("wide", s, d, 16, c, hkv=hkv)
+            for d, hkv in ((192, 16), (256, 8)) for c in (False, True) for s in (4096, 16384)]
+
+
 def _grid_cpu():
     """Tiny shapes for a machine without a GPU: checks the pipeline, not the kernels' speed."""
     return [
@@ -210,9 +217,10 @@ GRIDS = {
     "varlen": _grid_varlen,
     "decode": _grid_decode,
     "window": _grid_window,
+    "wide": _grid_wide,
     "cpu": _grid_cpu,
 }
-GPU_GRIDS = ("standard", "small", "gqa", "varlen", "decode", "window")
+GPU_GRIDS = ("standard", "small", "gqa", "varlen", "decode", "window", "wide")
 ALL_GRIDS = tuple(g for g in GPU_GRIDS if g != "small")  # what "all" means: every table of a full run
 
 
