@@ -111,13 +111,13 @@ __device__ __forceinline__ void bulk_reduce_add(float* gmem, const void* smem, i
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
 
-// The issuing thread's bulk operations have finished reading shared memory / completed.
 // Adds four floats to 16-byte aligned global memory (one vector reduction, performed in L2).
 __device__ __forceinline__ void red_add_float4(float* gmem, float x, float y, float z, float w) {
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};"
                ::"l"(gmem), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
 }
 
+// The issuing thread's bulk operations have finished reading shared memory / completed.
 __device__ __forceinline__ void bulk_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 }
