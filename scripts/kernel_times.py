@@ -40,12 +40,9 @@ def main() -> int:
     parser = workload_parser(__doc__)
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("kernel_times.py needs a CUDA GPU")
-        return 2
+    flash_attn, q, k, v, dout = load_workload(args)
     import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    flash_attn, q, k, v, dout = load_workload(args)
     b, s, d = args.batch, args.seqlen, args.head_dim
     hq, hkv = q.shape[2], k.shape[2]
     flops = 4 * b * hq * s * s * d / (2 if args.causal else 1)

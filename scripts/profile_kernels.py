@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -35,7 +36,11 @@ def workload_parser(doc: str) -> argparse.ArgumentParser:
 
 def load_workload(args):
     """``(flash_attn, q, k, v, dout)``: our build from ``--kernel-dir`` on ``--backend``, and
-    seeded bf16 inputs of the workload (q, k, v requiring grad)."""
+    seeded bf16 inputs of the workload (q, k, v requiring grad). Exits with status 2, saying so,
+    on a machine without a CUDA GPU."""
+    if not torch.cuda.is_available():
+        print(f"{Path(sys.argv[0]).name} needs a CUDA GPU")
+        raise SystemExit(2)
     os.environ["FLASH_ATTN_HUB_BACKEND"] = args.backend
     import kernels
     flash_attn = kernels.get_local_kernel(args.kernel_dir.resolve().parent)
@@ -51,9 +56,6 @@ def load_workload(args):
 
 def main() -> int:
     args = workload_parser(__doc__).parse_args()
-    if not torch.cuda.is_available():
-        print("profile_kernels.py needs a CUDA GPU")
-        return 2
     flash_attn, q, k, v, dout = load_workload(args)
     b, s, d = args.batch, args.seqlen, args.head_dim
     hq, hkv = q.shape[2], k.shape[2]

@@ -19,6 +19,21 @@ __device__ __forceinline__ int64_t workspace_row(const FlashBwdParams& p, int ba
   return (int64_t(batch) * p.fwd.heads_q + head) * p.ws_rows;
 }
 
+// The 64-row workspace block a CTA of the preprocess or the cast serves: blockIdx = (block,
+// query head, batch). Empty when the block starts past its sequence's queries (varlen).
+struct WorkspaceBlock {
+  int head, batch, row;  // row: the block's first query row in its sequence
+  SeqInfo seq;
+
+  __device__ __forceinline__ explicit WorkspaceBlock(const FlashParams& f)
+      : head(blockIdx.y), batch(blockIdx.z), row(blockIdx.x * kWorkspaceRows), seq(f, blockIdx.z) {}
+  __device__ __forceinline__ bool empty() const { return row >= seq.seqlen_q; }
+  // the block's first padded row in the workspaces
+  __device__ __forceinline__ int64_t ws_row(const FlashBwdParams& p) const {
+    return workspace_row(p, batch, head) + row;
+  }
+};
+
 // [Note] Backward preprocess and cast
 // Both run once per 64-row workspace block of each (query head, batch) and move only bytes, so
 // they are written for bandwidth: wide accesses, every load of a thread issued before its first
@@ -49,12 +64,11 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel(const __grid_constant__ F
   constexpr int kPasses = kWorkspaceRows / 16;
   constexpr int kLaneChunks = (D + 127) / 128;  // 16-byte chunks of a row per lane of a half-warp
   const FlashParams& f = p.fwd;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const SeqInfo seq(f, batch);
-  const int block_row = blockIdx.x * kWorkspaceRows;
-  if (block_row >= seq.seqlen_q) return;
-  const int64_t ws = workspace_row(p, batch, head) + block_row;
+  const WorkspaceBlock blk(f);
+  if (blk.empty()) return;
+  const int head = blk.head, batch = blk.batch, block_row = blk.row;
+  const SeqInfo& seq = blk.seq;
+  const int64_t ws = blk.ws_row(p);
   const Element* out = static_cast<const Element*>(f.out) + int64_t(batch) * f.out_batch_stride +
                        int64_t(head) * f.out_head_stride;
   const Element* dout = static_cast<const Element*>(p.dout) + int64_t(batch) * p.dout_batch_stride +
@@ -128,13 +142,11 @@ __global__ void __launch_bounds__(128) bwd_dq_cast_kernel(const __grid_constant_
   constexpr int kDqCols = D / 2, kGroups = kDqCols / 8, kPitch = kDqCols + 8;
   __shared__ __align__(16) float tile[kWorkspaceRows * kPitch];
   const FlashParams& f = p.fwd;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const SeqInfo seq(f, batch);
-  const int block_row = blockIdx.x * kWorkspaceRows;
-  if (block_row >= seq.seqlen_q) return;
-  const float4* acc = reinterpret_cast<const float4*>(
-      p.dq_acc + (workspace_row(p, batch, head) + block_row) * D);
+  const WorkspaceBlock blk(f);
+  if (blk.empty()) return;
+  const int head = blk.head, batch = blk.batch, block_row = blk.row;
+  const SeqInfo& seq = blk.seq;
+  const float4* acc = reinterpret_cast<const float4*>(p.dq_acc + blk.ws_row(p) * D);
   Element* dq = static_cast<Element*>(p.dq) + int64_t(batch) * p.dq_batch_stride +
                 int64_t(head) * p.dq_head_stride;
   const int tid = threadIdx.x;
