@@ -534,8 +534,7 @@ for arch, name, tma in ((90, "sm90", False), (90, "sm90", True), (80, "sm80", Fa
         for kernel, kind, extra in variants + [(bwd._bwd_dq_kernel, "dq", {})]:
             flags = dict(HEAD_DIM=head_dim - 8, BLOCK_D=head_dim, GROUP=4, IS_VARLEN=True,
                          HAS_WINDOW_LEFT=True, HAS_WINDOW_RIGHT=True, SOFTCAP=True,
-                         HAS_ALIBI=True, DROPOUT=True, COLUMNS_PER_GROUP=8,
-                         BLOCK_M=getattr(tiles, kind + "_block_m"),
+                         HAS_ALIBI=True, DROPOUT=True, BLOCK_M=getattr(tiles, kind + "_block_m"),
                          BLOCK_N=getattr(tiles, kind + "_block_n"),
                          TMA=tma or getattr(tiles, kind + "_tma"), **extra)
             if kind == "dkdv":

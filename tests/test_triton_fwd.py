@@ -487,32 +487,6 @@ def test_block_ranges(common, device, side):
             assert blocks[:, full_lo:full_hi].all(), where
 
 
-@triton.jit
-def _heavy_first_probe(result, n_ranks, n_columns, HEAVY_FIRST: tl.constexpr,
-                       COLUMNS_PER_GROUP: tl.constexpr):
-    pid = tl.program_id(0)
-    rank, column = HEAVY_FIRST(pid, n_ranks, n_columns, COLUMNS_PER_GROUP)
-    tl.store(result + pid * 2, rank)
-    tl.store(result + pid * 2 + 1, column)
-
-
-@pytest.mark.parametrize("per_group", [1, 3, 8])
-def test_heavy_first_order(common, device, per_group):
-    """`heavy_first` maps the 1-D grid onto every (rank, column) exactly once, in groups of
-    `per_group` columns (the last group shorter), rank by rank within a group."""
-    for n_ranks, n_columns in [(1, 1), (5, 2), (4, 8), (3, 11), (7, 17)]:
-        total = n_ranks * n_columns
-        result = torch.full((total, 2), -1, dtype=torch.int32, device=device)
-        _heavy_first_probe[(total,)](result, n_ranks, n_columns, HEAVY_FIRST=common.heavy_first,
-                                     COLUMNS_PER_GROUP=per_group)
-        order = [tuple(pair) for pair in result.cpu().tolist()]
-        assert sorted(order) == [(r, c) for r in range(n_ranks) for c in range(n_columns)]
-        want = [(r, c) for first in range(0, n_columns, per_group)
-                for r in range(n_ranks)
-                for c in range(first, min(first + per_group, n_columns))]
-        assert order == want, (n_ranks, n_columns, per_group)
-
-
 def test_import_does_not_touch_cuda():
     """Importing the kernel module (and so decorating the kernels) initialises no CUDA."""
     code = ("import sys, types, torch\n"
@@ -588,7 +562,7 @@ for arch, head_dim, features, override in CASES:
                  BLOCK_N=tiles.block_n, GROUP=4, IS_VARLEN=features, HAS_WINDOW_LEFT=features,
                  HAS_WINDOW_RIGHT=True, SOFTCAP=features, HAS_ALIBI=features,
                  HAS_SINK=features, DROPOUT=features, TMA=tiles.tma,
-                 WARP_SPECIALIZE=tiles.warp_specialize, COLUMNS_PER_GROUP=8)
+                 WARP_SPECIALIZE=tiles.warp_specialize)
     compile_for(kernel, const, arch, tiles.num_warps, tiles.num_stages,
                 f"D={head_dim} features={features} {override or 'table'} "
                 f"{(tiles.block_m, tiles.block_n, tiles.num_warps, tiles.num_stages)}")

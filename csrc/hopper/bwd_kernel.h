@@ -68,9 +68,8 @@
 // block do so in increasing key-block order: CTA n waits until the block's counter equals its
 // rank n - n_first among the key blocks that see the query block, reduces, waits for the
 // reduce to complete and publishes rank + 1. The same fp32 additions in the same order make dQ
-// bitwise reproducible. CTAs are dispatched in blockIdx order, and a column's lower key blocks
-// come first in it ([Note] Heavy first), so a CTA only ever waits on lower key blocks of its
-// (kv head, batch), which never wait on it.
+// bitwise reproducible. CTAs are dispatched in blockIdx order, so a CTA only ever waits on
+// lower key blocks of its (kv head, batch), which never wait on it.
 #pragma once
 
 #include "bwd_prep_cast.h"
@@ -88,34 +87,6 @@ struct BwdArgs {
   float scale_log2;      // as FwdArgs
   float scale_over_cap;
   float grad_scale;      // softmax scale: dK and dQ are multiplied by it once
-  // [Note] Heavy first: the 1-D grid holds n_blocks x columns CTAs, a column being one
-  // (kv head * group_splits + split, batch) pair, in groups of columns_per_group columns.
-  int n_blocks, columns, columns_per_group;
-};
-
-// [Note] Heavy first
-// The GPU starts CTAs in blockIdx order as SMs free up. Under a band the key blocks of one
-// column differ in work (causal: the first key block is seen by every query, the last by one
-// query block), and key-block-fastest order starts the last column's heaviest CTA when little
-// else is left to run, so most SMs idle for most of one heavy CTA at the end. Under a band the
-// launch orders CTAs by key block within groups of columns (block 0 of each column of the group,
-// then block 1, ...), so the last CTAs to start are the lightest; a group keeps the CTAs that
-// run together on a few heads, whose Q/dO stay in L2. Without a band every key block does the
-// same work and a group is one column (the old order). Deterministic dQ still holds: within a
-// column, key block n - 1 is dispatched before key block n ([Note] Deterministic dQ).
-constexpr int kHeavyFirstColumns = 8;  // columns per group under a band
-
-struct HeavyFirst {
-  int n_block, column;
-  __device__ __forceinline__ HeavyFirst(int n_blocks, int columns, int per_group) {
-    const int pid = blockIdx.x;
-    const int group = pid / (per_group * n_blocks);
-    const int first = group * per_group;
-    const int size = min(columns - first, per_group);
-    const int r = pid - group * per_group * n_blocks;
-    n_block = r / size;
-    column = first + r % size;
-  }
 };
 
 constexpr int kBwdProducerRegisters = 24;
@@ -346,14 +317,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   const FlashBwdParams& p = args.p;
   const FlashParams& f = p.fwd;
 
-  // causal: the first key blocks see the most queries, go first ([Note] Heavy first)
-  const HeavyFirst order(args.n_blocks, args.columns, args.columns_per_group);
-  const int n_block = order.n_block;
-  // [Note] Backward group split: a column is (kv head * group_splits + split, batch)
-  const int kv_slot = order.column % (f.heads_kv * p.group_splits);
-  const int kv_head = kv_slot / p.group_splits;
-  const int split = kv_slot % p.group_splits;
-  const int batch = order.column / (f.heads_kv * p.group_splits);
+  const int n_block = blockIdx.x;  // causal: the first key blocks see the most queries, go first
+  // [Note] Backward group split: blockIdx.y = kv head * group_splits + split
+  const int kv_head = blockIdx.y / p.group_splits;
+  const int split = blockIdx.y % p.group_splits;
+  const int batch = blockIdx.z;
   const SeqInfo seq(f, batch);
   if (n_block * N >= seq.seqlen_k) return;  // varlen: this sequence is shorter than the grid
   const int group = f.heads_q / f.heads_kv;

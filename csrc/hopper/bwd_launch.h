@@ -43,18 +43,6 @@ FwdStatus launch_bwd(const FlashBwdParams& p, cudaStream_t stream, char* why, in
   }
   score_scales<Traits::kSoftcap>(f, args.scale_log2, args.scale_over_cap);
   args.grad_scale = f.scale;
-  // [Note] Backward group split: group_splits CTAs per (key block, kv head, batch), in the
-  // order of [Note] Heavy first
-  args.n_blocks = (f.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  args.columns = f.heads_kv * p.group_splits * f.batch;
-  const bool banded = f.window_left >= 0 || f.window_right >= 0;
-  args.columns_per_group = banded ? kHeavyFirstColumns : 1;
-  const int64_t ctas = int64_t(args.n_blocks) * args.columns;
-  if (ctas > INT32_MAX) {
-    std::snprintf(why, why_len, "backward grid of %lld CTAs exceeds 2^31 - 1",
-                  static_cast<long long>(ctas));
-    return FwdStatus::kUnsupportedShape;
-  }
 
   const dim3 rows_grid((f.seqlen_q + kWorkspaceRows - 1) / kWorkspaceRows, f.heads_q, f.batch);
   const bool has_rows = rows_grid.x > 0;
@@ -73,8 +61,11 @@ FwdStatus launch_bwd(const FlashBwdParams& p, cudaStream_t stream, char* why, in
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                Traits::kSmemBytes);
   }
-  if (err == cudaSuccess && ctas > 0) {
-    kernel<<<static_cast<unsigned>(ctas), Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
+  if (err == cudaSuccess && f.seqlen_k > 0) {
+    // [Note] Backward group split: group_splits CTAs per (key block, kv head, batch)
+    const dim3 grid((f.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN,
+                    f.heads_kv * p.group_splits, f.batch);
+    kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
     err = cudaGetLastError();
   }
   if (err == cudaSuccess && has_rows) {

@@ -82,8 +82,8 @@ import triton
 import triton.language as tl
 
 from ._params import AttnParams
-from ._triton_common import (LOG2E, LaunchShape, columns_per_group, dropout_keep,
-                             dropout_row_hash, heavy_first, key_block_range, load_column_slice, load_rows, load_rows_t, mix32,
+from ._triton_common import (LOG2E, LaunchShape, dropout_keep, dropout_row_hash,
+                             key_block_range, load_column_slice, load_rows, load_rows_t, mix32,
                              query_block_range, rows_source, safe_lse_log2, scores_log2,
                              sequence_bounds, shared_arguments, store_column_slice, store_rows,
                              use_tma, visible)
@@ -212,18 +212,17 @@ def _bwd_dkdv_kernel(
         stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
         stride_dkb, stride_dks, stride_dkh, stride_dkp, stride_dqb, stride_dqs, stride_dqh,
         stride_lb, stride_lh, stride_ls, stride_ab,
-        seqlen_q_batched, seqlen_k_batched, num_heads_q, num_ranks, num_columns,
+        seqlen_q_batched, seqlen_k_batched, num_heads_q,
         softmax_scale, qk_scale, softcap_log2, window_left, window_right,
         threshold, seed_lo, seed_hi, dropout_rescale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, GROUP: tl.constexpr, GROUP_SPLITS: tl.constexpr,
         IS_VARLEN: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
         SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-        TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr, D_SPLITS: tl.constexpr,
-        COLUMNS_PER_GROUP: tl.constexpr):
-    # A rank is (key block, group split, head-dim split), the splits of one key block adjacent;
-    # the first key blocks see the most queries under a causal band ([Note: heavy first]).
-    pid, column = heavy_first(tl.program_id(0), num_ranks, num_columns, COLUMNS_PER_GROUP)
+        TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr, D_SPLITS: tl.constexpr):
+    # The GROUP_SPLITS x D_SPLITS programs of one key block are adjacent in launch order: they
+    # run together (sharing the K/V tile in L2) and the heaviest causal key blocks go first.
+    pid = tl.program_id(0)
     if D_SPLITS == 1:
         col0 = 0
     else:  # [Note: head-dim split]
@@ -234,8 +233,8 @@ def _bwd_dkdv_kernel(
     else:
         pid_n = pid // GROUP_SPLITS
         split = pid % GROUP_SPLITS
-    kv_head = column % (num_heads_q // GROUP)
-    batch = column // (num_heads_q // GROUP)
+    kv_head = tl.program_id(1)
+    batch = tl.program_id(2)
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(
         CU_SEQLENS_Q, CU_SEQLENS_K, batch, seqlen_q_batched, seqlen_k_batched, IS_VARLEN)
     n_first = pid_n * BLOCK_N
@@ -372,19 +371,17 @@ def _bwd_dq_kernel(
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
         stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ls, stride_ab,
-        seqlen_q_batched, seqlen_k_batched, num_heads_q, num_ranks, num_columns,
+        seqlen_q_batched, seqlen_k_batched, num_heads_q,
         softmax_scale, qk_scale, softcap_log2, window_left, window_right,
         threshold, seed_lo, seed_hi, dropout_rescale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr,
         HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-        HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr,
-        COLUMNS_PER_GROUP: tl.constexpr):
+        HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr):
     # Heaviest query blocks first (bottom-right causal: the last rows see the most keys).
-    rank, column = heavy_first(tl.program_id(0), num_ranks, num_columns, COLUMNS_PER_GROUP)
-    pid_m = num_ranks - 1 - rank
-    head = column % num_heads_q
-    batch = column // num_heads_q
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(
         CU_SEQLENS_Q, CU_SEQLENS_K, batch, seqlen_q_batched, seqlen_k_batched, IS_VARLEN)
     m_first = pid_m * BLOCK_M
@@ -609,7 +606,6 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
     scalars, flags = shared_arguments(shape, params, alibi_slopes)
     has_q = shape.batch > 0 and shape.max_seqlen_q > 0
     has_k = shape.batch > 0 and shape.max_seqlen_k > 0
-    banded = params.window_left >= 0 or params.window_right >= 0
 
     if has_q:
         grid = (triton.cdiv(shape.max_seqlen_q, DELTA_BLOCK_M), shape.heads_q, shape.batch)
@@ -628,6 +624,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
         key_blocks = triton.cdiv(shape.max_seqlen_k, cfg.dkdv_block_n)
         group = flags["GROUP"]
         if group_splits is None:
+            banded = params.window_left >= 0 or params.window_right >= 0
             group_splits = dkdv_group_splits(key_blocks * shape.heads_kv * shape.batch, group,
                                              _sm_count(q.device), banded=banded)
         elif group_splits < 1 or group % group_splits:
@@ -640,28 +637,24 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
             dk_dst, dv_dst, split_stride = partial[0], partial[1], partial.stride(1)
         assert cfg.dkdv_d_splits in (1, 2, 4), "a power of two that divides every BLOCK_D >= 16"
         d_splits = cfg.dkdv_d_splits if flags["BLOCK_D"] // cfg.dkdv_d_splits >= 16 else 1
-        ranks, columns = key_blocks * group_splits * d_splits, shape.heads_kv * shape.batch
-        _bwd_dkdv_kernel[(ranks * columns,)](
+        grid = (key_blocks * group_splits * d_splits, shape.heads_kv, shape.batch)
+        _bwd_dkdv_kernel[grid](
             q, k, v, dout, lse, delta, dk_dst, dv_dst, dq_acc, cu_seqlens_q, cu_seqlens_k,
             alibi_slopes, *strides, *shape.seq_strides(dk), split_stride,
             *shape.seq_strides(dq_acc), *shape.lse_strides(lse), **scalars,
             BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, GROUP_SPLITS=group_splits,
             TMA=use_tma(cfg.dkdv_tma, q.device, shape, q, k, v, dout), ATOMIC_DQ=atomic_dq,
-            D_SPLITS=d_splits, num_ranks=ranks, num_columns=columns,
-            COLUMNS_PER_GROUP=columns_per_group(banded), num_warps=cfg.dkdv_warps,
-            num_stages=cfg.dkdv_stages, **flags)
+            D_SPLITS=d_splits, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **flags)
         if group_splits > 1:
             dk.copy_(dk_dst.sum(dim=0))
             dv.copy_(dv_dst.sum(dim=0))
     if atomic_dq:
         dq.copy_(dq_acc)
     elif has_q:
-        ranks = triton.cdiv(shape.max_seqlen_q, cfg.dq_block_m)
-        columns = shape.heads_q * shape.batch
-        _bwd_dq_kernel[(ranks * columns,)](
+        grid = (triton.cdiv(shape.max_seqlen_q, cfg.dq_block_m), shape.heads_q, shape.batch)
+        _bwd_dq_kernel[grid](
             q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
             *strides, *shape.seq_strides(dq), *shape.lse_strides(lse), **scalars,
-            num_ranks=ranks, num_columns=columns, COLUMNS_PER_GROUP=columns_per_group(banded),
             BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
             TMA=use_tma(cfg.dq_tma, q.device, shape, q, k, v, dout),
             num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, **flags)

@@ -13,8 +13,7 @@ scores, so when SOFTCAP is on we undo the fold inside the hook; ALiBi slopes are
 multiplied by log2(e) once per program. The same hooks run in forward and
 backward, so both see bitwise the same scores.
 
-Kernel helpers: ``heavy_first`` (the program order: heaviest blocks first under a band);
-``sequence_bounds`` (a sequence's start and lengths, batched or varlen);
+Kernel helpers: ``sequence_bounds`` (a sequence's start and lengths, batched or varlen);
 ``scores_log2`` (the score hook: scale, softcap, ALiBi) with its host-side
 ``score_constants``; ``visible`` (the band mask, either tile orientation); ``key_block_range`` /
 ``query_block_range`` (which key blocks a query block sees, and the mirror, split into unmasked
@@ -154,38 +153,6 @@ def sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, batch, seqlen_q_batched, seqlen_
         seqlen_q = seqlen_q_batched
         seqlen_k = seqlen_k_batched
     return q_start, seqlen_q, k_start, seqlen_k
-
-
-@triton.jit
-def heavy_first(pid, n_ranks, n_columns, COLUMNS_PER_GROUP: tl.constexpr):
-    """``(rank, column)`` of program ``pid`` in a 1-D grid of ``n_ranks x n_columns`` programs,
-    [Note: heavy first]. A column is one (batch, head) pair, a rank one of its blocks, rank 0
-    the one with the most work; each kernel maps ranks to its blocks."""
-    per_group = COLUMNS_PER_GROUP * n_ranks
-    group = pid // per_group
-    first = group * COLUMNS_PER_GROUP
-    size = tl.minimum(n_columns - first, COLUMNS_PER_GROUP)
-    r = pid - group * per_group
-    return r // size, first + r % size
-
-
-def columns_per_group(banded: bool) -> int:
-    """Host side of :func:`heavy_first`: 1 (column after column) when every block of a column
-    does the same work, HEAVY_FIRST_COLUMNS under a causal or window band."""
-    return HEAVY_FIRST_COLUMNS if banded else 1
-
-
-# [Note: heavy first] The GPU starts programs in grid order as SMs free up. Under a band the
-# blocks of one (batch, head) column differ in work (a causal forward's last query block sees
-# every key, its first one block), and column-after-column order starts the last column's
-# heaviest block when little else is left to run: the SMs then idle for most of one heavy
-# block at the end (causal, 4k, 128 x 128 tiles: up to ~20 of ~260 key-block steps per SM).
-# Under a band the grid is ordered by rank within groups of HEAVY_FIRST_COLUMNS columns: rank 0
-# of each column of the group, then rank 1, and so on, so the last programs to start are the
-# lightest. A group keeps the programs running together on a few heads, whose K/V stay in L2
-# (8 heads of K+V at 4k, D=128: 16 MB). Without a band every block does the same work and the
-# order stays column after column (1 column per group), the best for L2.
-HEAVY_FIRST_COLUMNS = 8
 
 
 @triton.jit

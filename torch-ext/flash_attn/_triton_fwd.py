@@ -47,10 +47,9 @@ import triton
 import triton.language as tl
 
 from ._params import AttnParams
-from ._triton_common import (LOG2E, LaunchShape, columns_per_group, dropout_keep,
-                             dropout_row_hash, heavy_first, key_block_range, load_rows,
-                             load_rows_t, rows_source, scores_log2, sequence_bounds,
-                             shared_arguments, store_rows, use_tma, visible)
+from ._triton_common import (LOG2E, LaunchShape, dropout_keep, dropout_row_hash,
+                             key_block_range, load_rows, load_rows_t, rows_source, scores_log2,
+                             sequence_bounds, shared_arguments, store_rows, use_tma, visible)
 from ._tuning import HEAD_DIM_BUCKETS, TileTable
 
 
@@ -105,19 +104,18 @@ def _attn_fwd_kernel(
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
         stride_lb, stride_lh, stride_ls, stride_ab,
-        seqlen_q_batched, seqlen_k_batched, num_heads_q, num_row_blocks, num_columns,
+        seqlen_q_batched, seqlen_k_batched, num_heads_q,
         qk_scale, softcap_log2, window_left, window_right,
         threshold, seed_lo, seed_hi, dropout_rescale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr,
         HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
         HAS_ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, DROPOUT: tl.constexpr,
-        TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, COLUMNS_PER_GROUP: tl.constexpr):
+        TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     # Heaviest query blocks first (bottom-right causal: the last rows see the most keys).
-    rank, column = heavy_first(tl.program_id(0), num_row_blocks, num_columns, COLUMNS_PER_GROUP)
-    pid_m = num_row_blocks - 1 - rank
-    head = column % num_heads_q
-    batch = column // num_heads_q
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(
         CU_SEQLENS_Q, CU_SEQLENS_K, batch, seqlen_q_batched, seqlen_k_batched, IS_VARLEN)
     m_first = pid_m * BLOCK_M
@@ -279,14 +277,11 @@ def forward(q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slope
         return
     cfg = tiles or tile_config(shape.head_dim, q.device, shape.longest)
     scalars, flags = shared_arguments(shape, params, alibi_slopes)
-    row_blocks = triton.cdiv(shape.max_seqlen_q, cfg.block_m)
-    columns = shape.heads_q * shape.batch
-    _attn_fwd_kernel[(row_blocks * columns,)](
+    grid = (triton.cdiv(shape.max_seqlen_q, cfg.block_m), shape.heads_q, shape.batch)
+    _attn_fwd_kernel[grid](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slopes,
         *shape.seq_strides(q), *shape.seq_strides(k), *shape.seq_strides(v),
         *shape.seq_strides(out), *shape.lse_strides(lse), **scalars,
-        num_row_blocks=row_blocks, num_columns=columns,
-        COLUMNS_PER_GROUP=columns_per_group(params.window_left >= 0 or params.window_right >= 0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SINK=s_aux is not None,
         TMA=use_tma(cfg.tma, q.device, shape, q, k, v, out),
         WARP_SPECIALIZE=cfg.warp_specialize, **flags,
