@@ -12,9 +12,17 @@ Glossary (see also ``_triton_common``):
                    triton 3.6: same ptxas output; meant for sm100)
 
 One program computes BLOCK_M query rows of one (batch, query head). It walks the key blocks the
-rows can see (``key_block_range``) in three calls of one inner loop: the band-interior blocks
-without any mask, then the left and right edge blocks with the visibility mask. Causal, window,
-softcap, ALiBi, sinks and dropout are compile-time hooks into that loop, not copies of it.
+rows can see (``key_block_range``) in one loop, where only the band's edge blocks pay for the
+visibility mask ([Note: one key loop]). Causal, window, softcap, ALiBi, sinks and dropout are
+compile-time hooks into that loop, not copies of it.
+
+[Note: one key loop] The key blocks of a program are one loop over ``[lo, hi)``; an edge block
+(outside ``[full_lo, full_hi)``, from ``key_block_range``) masks its scores in a branch that
+the band's interior blocks skip (uniform across the program, so no divergence). Three loops,
+interior then each edge without the branch, were as fast per block, but each loop fills Triton's
+load pipeline anew: under a causal mask every program paid for two fills (the diagonal block's
+loads were issued only after the interior loop had drained). Loads are row-checked in every
+block (free with tensor descriptors; one compare per row on the pointer path).
 
 [Note: sinks and empty rows] With a sink the running max starts at ``s_aux * log2(e)`` and the
 running sum at 1: the sink joins the denominator and contributes nothing to ``acc``. Without one
@@ -54,23 +62,23 @@ from ._tuning import HEAD_DIM_BUCKETS, TileTable
 
 
 @triton.jit
-def _inner_loop(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, block_lo, block_hi, rows,
-                offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2,
-                window_left, window_right, row_hash, threshold, MASKED: tl.constexpr,
+def _inner_loop(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, block_lo, full_lo, full_hi,
+                block_hi, rows, offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2,
+                alibi_slope_log2, window_left, window_right, row_hash, threshold,
                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
                 HAS_WINDOW_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr,
                 WARP_SPECIALIZE: tl.constexpr):
-    """Online softmax over key blocks ``[block_lo, block_hi)``; MASKED blocks pay for the
-    visibility mask and the ``seqlen_k`` bound, interior blocks load and score unmasked.
+    """Online softmax over key blocks ``[block_lo, block_hi)`` ([Note: one key loop]): blocks
+    outside ``[full_lo, full_hi)`` are band or sequence edges and pay for the visibility mask.
     ``k_src``/``v_src`` are the sequence's K/V matrices as ``rows_source`` gives them."""
     diag = seqlen_k - seqlen_q
     for block in tl.range(block_lo, block_hi, warp_specialize=WARP_SPECIALIZE):
         start_n = block * BLOCK_N
         cols = start_n + offs_n
         k_t = load_rows_t(k_src, start_n, stride_ks, seqlen_k, BLOCK_N, HEAD_DIM, BLOCK_D,
-                          MASKED, TMA)
-        v = load_rows(v_src, start_n, stride_vs, seqlen_k, BLOCK_N, HEAD_DIM, BLOCK_D, MASKED,
+                          True, TMA)
+        v = load_rows(v_src, start_n, stride_vs, seqlen_k, BLOCK_N, HEAD_DIM, BLOCK_D, True,
                       TMA)
         if SOFTCAP or HAS_ALIBI:
             s, _ = scores_log2(tl.dot(q, k_t), rows[:, None], cols[None, :], diag, qk_scale,
@@ -79,15 +87,12 @@ def _inner_loop(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, block_lo, 
         else:
             s = tl.dot(q, k_t)  # raw: [Note: scale after the max]
             scale = qk_scale
-        if MASKED:
+        if (block < full_lo) | (block >= full_hi):  # a uniform branch, skipped inside the band
             ok = visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left,
                          window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
             s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
-            m_ref = m_new
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s * scale - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -168,19 +173,9 @@ def _attn_fwd_kernel(
                                                window_left, window_right, BLOCK_N,
                                                HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
     acc, l_i, m_i = _inner_loop(
-        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, full_lo, full_hi, rows, offs_n,
-        seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2, window_left,
-        window_right, row_hash, thr, False, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI,
-        HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA, WARP_SPECIALIZE)
-    acc, l_i, m_i = _inner_loop(
-        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, full_lo, rows, offs_n,
-        seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2, window_left,
-        window_right, row_hash, thr, True, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI,
-        HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA, WARP_SPECIALIZE)
-    acc, l_i, m_i = _inner_loop(
-        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, full_hi, hi, rows, offs_n,
-        seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2, window_left,
-        window_right, row_hash, thr, True, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI,
+        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, full_lo, full_hi, hi, rows,
+        offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2, window_left,
+        window_right, row_hash, thr, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI,
         HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA, WARP_SPECIALIZE)
 
     has_mass = l_i > 0.0
