@@ -34,9 +34,9 @@ run (on one GPU model: GROUP_SPLITS follows the SM count). Otherwise, where the 
 ``atomic_dq``, launch 3 is skipped: the dK/dV kernel also forms ``dS K`` for each query block
 it visits and adds it into an fp32 dQ buffer with atomics ([Note: atomic dQ]).
 
-Each kernel walks its band in one loop, where only the edge blocks pay for the mask ([Note:
-one key loop] in ``_triton_fwd``). Causal, window, softcap, ALiBi and dropout are compile-time
-hooks into those loops.
+Both loops visit their band in three calls of one inner loop: the leading edge blocks (masked),
+the interior blocks (no mask, no bounds checks), the trailing edge blocks (masked). Causal,
+window, softcap, ALiBi and dropout are compile-time hooks into those loops.
 
 [Note: recomputing P] Scores are recomputed with the forward's arithmetic (``score_constants``:
 ``s2 = qk * scale * log2(e)``, or ``softcap * log2(e) * tanh(qk * scale / softcap)``, minus
@@ -134,15 +134,15 @@ def _bwd_delta_kernel(O, DO, DELTA, CU_SEQLENS_Q,
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, k_cols, v, q_src, do_src, q_base, do_base, lse_base, delta_base,
-                dq_base, stride_qs, stride_dos, stride_ls, stride_dqs, block_lo, full_lo, full_hi,
-                block_hi, cols, col0, seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2,
+                dq_base, stride_qs, stride_dos, stride_ls, stride_dqs, block_lo, block_hi, cols,
+                col0, seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2,
                 alibi_slope_log2, window_left, window_right, seed_lo, seed_hi, batch, head,
-                num_heads_q, threshold, dropout_rescale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                num_heads_q, threshold, dropout_rescale, MASKED: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                 D_SPLITS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
                 DROPOUT: tl.constexpr, TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr):
-    """Accumulates the contribution of query blocks ``[block_lo, block_hi)`` of one head, the
-    blocks outside ``[full_lo, full_hi)`` masked ([Note: one key loop] in ``_triton_fwd``);
+    """Accumulates the contribution of query blocks ``[block_lo, block_hi)`` of one head;
     ``q_src``/``do_src`` are that head's Q/dO matrices as ``rows_source`` gives them. With
     ATOMIC_DQ it also adds ``scale * dS K`` into the fp32 rows at ``dq_base``. With
     D_SPLITS > 1 the program owns head-dim columns ``col0 .. col0 + BLOCK_D / D_SPLITS`` of
@@ -156,15 +156,19 @@ def _dkdv_inner(dk, dv, k, k_cols, v, q_src, do_src, q_base, do_base, lse_base, 
         start_m = block * BLOCK_M
         rows = start_m + offs_m
         q_t = load_rows_t(q_src, start_m, stride_qs, seqlen_q, BLOCK_M, HEAD_DIM, BLOCK_D,
-                          True, TMA)
+                          MASKED, TMA)
         do = load_rows(do_src, start_m, stride_dos, seqlen_q, BLOCK_M, HEAD_DIM, BLOCK_D,
-                       True, TMA)
-        m_ok = rows < seqlen_q
-        lse = tl.load(lse_base + rows * stride_ls, mask=m_ok, other=0.0)
-        delta = tl.load(delta_base + rows * stride_ls, mask=m_ok, other=0.0)
+                       MASKED, TMA)
+        if MASKED:
+            m_ok = rows < seqlen_q
+            lse = tl.load(lse_base + rows * stride_ls, mask=m_ok, other=0.0)
+            delta = tl.load(delta_base + rows * stride_ls, mask=m_ok, other=0.0)
+        else:
+            lse = tl.load(lse_base + rows * stride_ls)
+            delta = tl.load(delta_base + rows * stride_ls)
         s_t, t_t = scores_log2(tl.dot(k, q_t), rows[None, :], cols[:, None], diag,
                                qk_scale, softcap_log2, alibi_slope_log2, SOFTCAP, HAS_ALIBI)
-        if (block < full_lo) | (block >= full_hi):  # a band edge: a uniform branch
+        if MASKED:
             ok = visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left,
                          window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
             s_t = tl.where(ok, s_t, float("-inf"))
@@ -182,9 +186,9 @@ def _dkdv_inner(dk, dv, k, k_cols, v, q_src, do_src, q_base, do_base, lse_base, 
             q_cols = tl.trans(q_t)
         else:
             do_cols = load_column_slice(do_base, start_m, stride_dos, seqlen_q, col0, BLOCK_M,
-                                        WIDTH, HEAD_DIM, True)
+                                        WIDTH, HEAD_DIM, MASKED)
             q_cols = load_column_slice(q_base, start_m, stride_qs, seqlen_q, col0, BLOCK_M,
-                                       WIDTH, HEAD_DIM, True)
+                                       WIDTH, HEAD_DIM, MASKED)
         dv += tl.dot(pd_t.to(do.dtype), do_cols)
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:
@@ -193,7 +197,10 @@ def _dkdv_inner(dk, dv, k, k_cols, v, q_src, do_src, q_base, do_base, lse_base, 
         if ATOMIC_DQ:
             dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k_cols) * softmax_scale
             dq_ptrs = dq_base + rows[:, None] * stride_dqs + offs_d[None, :]
-            dq_ok = m_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+            if MASKED:
+                dq_ok = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+            else:
+                dq_ok = offs_d[None, :] < HEAD_DIM
             tl.atomic_add(dq_ptrs, dq, mask=dq_ok, sem="relaxed")
     return dk, dv
 
@@ -282,11 +289,25 @@ def _bwd_dkdv_kernel(
             alibi_slope_log2 = 0.0
         dk, dv = _dkdv_inner(
             dk, dv, k, k_cols, v, q_src, do_src, q_base, do_base, lse_base, delta_base, dq_base,
-            stride_qs, stride_dos, stride_ls, stride_dqs, lo, full_lo, full_hi, hi, cols, col0,
-            seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, alibi_slope_log2,
-            window_left, window_right, seed_lo, seed_hi, batch, head, num_heads_q, thr,
-            dropout_rescale, HEAD_DIM, BLOCK_M, BLOCK_D, D_SPLITS, SOFTCAP, HAS_ALIBI,
-            HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA, ATOMIC_DQ)
+            stride_qs, stride_dos, stride_ls, stride_dqs, full_lo, full_hi, cols, col0, seqlen_q,
+            seqlen_k, softmax_scale, qk_scale, softcap_log2, alibi_slope_log2, window_left,
+            window_right, seed_lo, seed_hi, batch, head, num_heads_q, thr, dropout_rescale,
+            False, HEAD_DIM, BLOCK_M, BLOCK_D, D_SPLITS, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT,
+            HAS_WINDOW_RIGHT, DROPOUT, TMA, ATOMIC_DQ)
+        dk, dv = _dkdv_inner(
+            dk, dv, k, k_cols, v, q_src, do_src, q_base, do_base, lse_base, delta_base, dq_base,
+            stride_qs, stride_dos, stride_ls, stride_dqs, lo, full_lo, cols, col0, seqlen_q,
+            seqlen_k, softmax_scale, qk_scale, softcap_log2, alibi_slope_log2, window_left,
+            window_right, seed_lo, seed_hi, batch, head, num_heads_q, thr, dropout_rescale,
+            True, HEAD_DIM, BLOCK_M, BLOCK_D, D_SPLITS, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT,
+            HAS_WINDOW_RIGHT, DROPOUT, TMA, ATOMIC_DQ)
+        dk, dv = _dkdv_inner(
+            dk, dv, k, k_cols, v, q_src, do_src, q_base, do_base, lse_base, delta_base, dq_base,
+            stride_qs, stride_dos, stride_ls, stride_dqs, full_hi, hi, cols, col0, seqlen_q,
+            seqlen_k, softmax_scale, qk_scale, softcap_log2, alibi_slope_log2, window_left,
+            window_right, seed_lo, seed_hi, batch, head, num_heads_q, thr, dropout_rescale,
+            True, HEAD_DIM, BLOCK_M, BLOCK_D, D_SPLITS, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT,
+            HAS_WINDOW_RIGHT, DROPOUT, TMA, ATOMIC_DQ)
 
     dk = dk * softmax_scale
     out_base = batch64 * stride_dkb + kv_head64 * stride_dkh + k_row0 * stride_dks
@@ -311,26 +332,25 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_inner(dq, q, do, lse_log2, delta, k_src, v_src, stride_ks, stride_vs, block_lo,
-              full_lo, full_hi, block_hi, rows, offs_n, seqlen_q, seqlen_k, qk_scale,
-              softcap_log2, alibi_slope_log2, window_left, window_right, row_hash, threshold,
-              dropout_rescale, HEAD_DIM: tl.constexpr,
+              block_hi, rows, offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2,
+              alibi_slope_log2, window_left, window_right, row_hash, threshold,
+              dropout_rescale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
               HAS_ALIBI: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
               HAS_WINDOW_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr):
-    """Accumulates ``dS K`` over key blocks ``[block_lo, block_hi)``, the blocks outside
-    ``[full_lo, full_hi)`` masked ([Note: one key loop] in ``_triton_fwd``); ``k_src``/``v_src`` are
+    """Accumulates ``dS K`` over key blocks ``[block_lo, block_hi)``; ``k_src``/``v_src`` are
     the sequence's K/V matrices as ``rows_source`` gives them."""
     diag = seqlen_k - seqlen_q
     for block in range(block_lo, block_hi):
         start_n = block * BLOCK_N
         cols = start_n + offs_n
         k_t = load_rows_t(k_src, start_n, stride_ks, seqlen_k, BLOCK_N, HEAD_DIM, BLOCK_D,
-                          True, TMA)
+                          MASKED, TMA)
         v_t = load_rows_t(v_src, start_n, stride_vs, seqlen_k, BLOCK_N, HEAD_DIM, BLOCK_D,
-                          True, TMA)
+                          MASKED, TMA)
         s, t = scores_log2(tl.dot(q, k_t), rows[:, None], cols[None, :], diag, qk_scale,
                            softcap_log2, alibi_slope_log2, SOFTCAP, HAS_ALIBI)
-        if (block < full_lo) | (block >= full_hi):  # a band edge: a uniform branch
+        if MASKED:
             ok = visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left,
                          window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
             s = tl.where(ok, s, float("-inf"))
@@ -407,11 +427,21 @@ def _bwd_dq_kernel(
     lo, full_lo, full_hi, hi = key_block_range(m_first, m_last, seqlen_q, seqlen_k,
                                                window_left, window_right, BLOCK_N,
                                                HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+    dq = _dq_inner(dq, q, do, lse_log2, delta, k_src, v_src, stride_ks, stride_vs, full_lo, full_hi,
+                   rows, offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2,
+                   window_left, window_right, row_hash, thr, dropout_rescale, False, HEAD_DIM,
+                   BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT,
+                   DROPOUT, TMA)
     dq = _dq_inner(dq, q, do, lse_log2, delta, k_src, v_src, stride_ks, stride_vs, lo, full_lo,
-                   full_hi, hi, rows, offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2,
-                   alibi_slope_log2, window_left, window_right, row_hash, thr, dropout_rescale,
-                   HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT,
-                   HAS_WINDOW_RIGHT, DROPOUT, TMA)
+                   rows, offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2,
+                   window_left, window_right, row_hash, thr, dropout_rescale, True, HEAD_DIM,
+                   BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT,
+                   DROPOUT, TMA)
+    dq = _dq_inner(dq, q, do, lse_log2, delta, k_src, v_src, stride_ks, stride_vs, full_hi, hi,
+                   rows, offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2,
+                   window_left, window_right, row_hash, thr, dropout_rescale, True, HEAD_DIM,
+                   BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT,
+                   DROPOUT, TMA)
 
     dq = dq * softmax_scale
     store_rows(DQ + batch64 * stride_dqb + head64 * stride_dqh + q_row0 * stride_dqs, m_first,

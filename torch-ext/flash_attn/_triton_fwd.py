@@ -18,11 +18,12 @@ compile-time hooks into that loop, not copies of it.
 
 [Note: one key loop] The key blocks of a program are one loop over ``[lo, hi)``; an edge block
 (outside ``[full_lo, full_hi)``, from ``key_block_range``) masks its scores in a branch that
-the band's interior blocks skip (uniform across the program, so no divergence). Three loops,
-interior then each edge without the branch, were as fast per block, but each loop fills Triton's
-load pipeline anew: under a causal mask every program paid for two fills (the diagonal block's
-loads were issued only after the interior loop had drained). Loads are row-checked in every
-block (free with tensor descriptors; one compare per row on the pointer path).
+the band's interior blocks skip (uniform across the program, so no divergence). Loads are
+row-checked in every block (free with tensor descriptors; one compare per row on the pointer
+path). Three loops (the interior, then each edge) fill Triton's load pipeline once each, so a
+causal program paid two fills; on the H200 the one loop measured +2-4% causal at 4k-16k and
++7% at 1k, full masks level, with bitwise-equal outputs (benchmarks/NOTES.md, session 13).
+The backward kernels keep three loops: the same change lost 7-11% there on GQA and full masks.
 
 [Note: sinks and empty rows] With a sink the running max starts at ``s_aux * log2(e)`` and the
 running sum at 1: the sink joins the denominator and contributes nothing to ``acc``. Without one
