@@ -6,8 +6,11 @@ line, search, timing, the long-format log, the tuning file and the summary table
 
 Search: ``--quick`` walks the fields one at a time from the table's default (coordinate descent:
 each field takes its best value before the next is tried, so the cost is the sum of the value
-counts, not their product) and, unless told otherwise, tunes only D=128 at S=4096, the anchor
-configuration. Without ``--quick`` every combination of the candidate values is timed.
+counts, not their product), then tries every combination of each pair of fields a script names
+as coupled (warps with the tile they split: one alone can lose where both together win; the
+H200's 4-warp, 64-key dK/dV tiles were missed that way), and, unless told otherwise, tunes only
+D=128 at S=4096, the anchor configuration. Without ``--quick`` every combination of the
+candidate values is timed.
 
 Timing: ``triton.testing.do_bench`` median after warm-up, bf16, fresh random inputs, 16k tokens
 per batch (ANCHORS.md). A candidate's score is the geometric mean of its TFLOP/s over the
@@ -61,7 +64,8 @@ def parse_args(doc: str, head_dims: list[int], *, heads: bool = False) -> argpar
                         help="sequence lengths, one tuning-file bucket each; default 1024 4096 "
                              "16384, with --quick 4096")
     parser.add_argument("--quick", action="store_true",
-                        help="coordinate descent instead of every combination (< 4 min)")
+                        help="coordinate descent and coupled pairs instead of every "
+                             "combination (minutes, not hours)")
     parser.add_argument("--out", type=Path, default=None,
                         help="tuning file to merge into (default: the package's)")
     parser.add_argument("--space", action="append", default=[], metavar="FIELD=V1,V2",
@@ -103,8 +107,10 @@ def candidates(base, space: dict[str, tuple]) -> list:
             for values in itertools.product(*space.values())]
 
 
-def search(base, space: dict[str, tuple], score: Callable, quick: bool):
-    """The best-scoring config: coordinate descent from ``base`` when ``quick``, else exhaustive.
+def search(base, space: dict[str, tuple], score: Callable, quick: bool,
+           pairs: tuple[tuple[str, str], ...] = ()):
+    """The best-scoring config: coordinate descent from ``base`` when ``quick`` followed by every
+    combination of each coupled pair in ``pairs`` (fields of ``space`` only), else exhaustive.
     ``score(config)`` returns a number or None (failed); ``base`` wins when nothing runs."""
     scored = {}
 
@@ -114,14 +120,18 @@ def search(base, space: dict[str, tuple], score: Callable, quick: bool):
             scored[key] = score(config)
         return scored[key]
 
+    def best_of(best, options):
+        results = [(value(c), c) for c in [best, *options]]
+        results = [(s, c) for s, c in results if s is not None]
+        return max(results, key=lambda sc: sc[0])[1] if results else best
+
     best = base
     if quick:
         for field, values in space.items():
-            options = [dataclasses.replace(best, **{field: v}) for v in values]
-            results = [(value(c), c) for c in [best, *options]]
-            results = [(s, c) for s, c in results if s is not None]
-            if results:
-                best = max(results, key=lambda sc: sc[0])[1]
+            best = best_of(best, [dataclasses.replace(best, **{field: v}) for v in values])
+        for pair in pairs:
+            if all(field in space for field in pair):
+                best = best_of(best, candidates(best, {field: space[field] for field in pair}))
         return best
     results = [(value(c), c) for c in [base, *candidates(base, space)]]
     results = [(s, c) for s, c in results if s is not None]

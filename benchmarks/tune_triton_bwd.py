@@ -1,7 +1,7 @@
 """GPU ONLY: time candidate tile configs of the Triton backward kernels, write the tuning file.
 
-    python benchmarks/tune_triton_bwd.py --quick        # D=128, S=4096, coordinate descent,
-                                                        # < 4 min on an H200
+    python benchmarks/tune_triton_bwd.py --quick        # D=128, S=4096, coordinate descent
+                                                        # and coupled pairs
     python benchmarks/tune_triton_bwd.py                # D 64/128/256 x S 1k/4k/16k, exhaustive
     python benchmarks/tune_triton_bwd.py --head-dims 128 --seqlens 4096 16384 --out /tmp/t.json
 
@@ -54,6 +54,10 @@ DQ = {
               dq_stages=(1, 2, 3)),
     256: dict(dq_block_m=(32, 64), dq_block_n=(16, 32), dq_warps=(4, 8), dq_stages=(1, 2)),
 }
+# Fields the quick search also varies together (``_tune_common.search``): the warps split the
+# tiles, so a warp count can lose with one tile and win with another.
+DKDV_PAIRS = (("dkdv_warps", "dkdv_block_n"), ("dkdv_warps", "dkdv_block_m"))
+DQ_PAIRS = (("dq_warps", "dq_block_m"), ("dq_warps", "dq_block_n"))
 CHECK_SEQLEN = 304  # ragged against every tile, a multiple of 16 (no extra specialisation)
 
 
@@ -133,10 +137,11 @@ def main() -> int:
             default = bwd.TABLE.default(arch, head_dim)
             dkdv = {"atomic_dq": (False, True), **tc.hopper_fields("dkdv_tma"),
                     **DKDV.get(block_d, DKDV[128])}
-            best = tc.search(default, tc.narrow(dkdv, args.space), score, args.quick)
+            best = tc.search(default, tc.narrow(dkdv, args.space), score, args.quick,
+                             DKDV_PAIRS)
             if not best.atomic_dq:  # the atomic path launches no dQ kernel
                 dq = {**tc.hopper_fields("dq_tma"), **DQ.get(block_d, DQ[128])}
-                best = tc.search(best, tc.narrow(dq, args.space), score, args.quick)
+                best = tc.search(best, tc.narrow(dq, args.space), score, args.quick, DQ_PAIRS)
             session.record(block_d=block_d, seqlen=seqlen,
                            shape=f"B={batch} S={seqlen} H={','.join(f'{a}/{b}' for a, b in shapes)} "
                                  f"D={head_dim}",

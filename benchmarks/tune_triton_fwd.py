@@ -1,7 +1,7 @@
 """GPU ONLY: time candidate tile configs of the Triton forward kernel, write the tuning file.
 
-    python benchmarks/tune_triton_fwd.py --quick        # D=128, S=4096, coordinate descent,
-                                                        # < 4 min on an H200
+    python benchmarks/tune_triton_fwd.py --quick        # D=128, S=4096, coordinate descent
+                                                        # and coupled pairs
     python benchmarks/tune_triton_fwd.py                # D 64/128/256 x S 1k/4k/16k, exhaustive
     python benchmarks/tune_triton_fwd.py --head-dims 128 --seqlens 4096 16384 --out /tmp/t.json
 
@@ -34,6 +34,9 @@ SPACE = {
     128: dict(block_m=(64, 128), block_n=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4)),
     256: dict(block_m=(64, 128), block_n=(32, 64), num_warps=(4, 8), num_stages=(1, 2)),
 }
+# Fields the quick search also varies together (``_tune_common.search``): the warps split the
+# query tile, and the key tile sets how many stages fit in shared memory.
+PAIRS = (("num_warps", "block_m"), ("block_n", "num_stages"))
 CHECK_SEQLEN = 304  # ragged against every tile, a multiple of 16 (no extra specialisation)
 
 
@@ -96,7 +99,7 @@ def main() -> int:
             default = fwd.TABLE.default(arch, head_dim)
             space = {**tc.hopper_fields("tma"), **tc.blackwell_fields("warp_specialize"),
                      **SPACE.get(block_d, SPACE[128])}
-            best = tc.search(default, tc.narrow(space, args.space), score, args.quick)
+            best = tc.search(default, tc.narrow(space, args.space), score, args.quick, PAIRS)
             session.record(block_d=block_d, seqlen=seqlen,
                            shape=f"B={batch} S={seqlen} H={','.join(f'{a}/{b}' for a, b in shapes)} "
                                  f"D={head_dim}", best=best,

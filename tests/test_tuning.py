@@ -135,6 +135,26 @@ def test_search_quick_and_exhaustive():
     assert tc.search(base, dict(block_m=(64,)), lambda c: None, quick=False) is base
 
 
+def test_search_quick_tries_coupled_pairs():
+    """A joint optimum that no single-field move reaches from the base (each field alone loses)
+    is found by the coupled-pair pass, and only named pairs of fields in the space are tried."""
+    tc = _tune_common()
+    space = dict(block_m=(16, 32), block_n=(16, 32), tma=(False, True))
+
+    def score(config):  # (32, 32) best; (32, 16) and (16, 32) worse than the base (16, 16)
+        table = {(16, 16): 5, (32, 16): 4, (16, 32): 4, (32, 32): 9}
+        return table[(config.block_m, config.block_n)] + 0.5 * config.tma
+
+    base = Tiles(16, 16, False, "table")
+    plain = tc.search(base, space, score, quick=True)
+    assert (plain.block_m, plain.block_n, plain.tma) == (16, 16, True)
+    paired = tc.search(base, space, score, quick=True, pairs=(("block_m", "block_n"),))
+    assert (paired.block_m, paired.block_n, paired.tma) == (32, 32, True)
+    narrowed = tc.search(base, dict(block_m=(16, 32)), score, quick=True,
+                         pairs=(("block_m", "block_n"),))
+    assert (narrowed.block_m, narrowed.block_n) == (16, 16)  # block_n is not in the space
+
+
 def test_head_shape_workloads_label_and_count_each_shape():
     """Both tuning scripts score a config over every head shape: full and causal of each, the
     causal FLOPs halved, labels naming the heads only when there are several shapes."""
