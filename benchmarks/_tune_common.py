@@ -42,13 +42,15 @@ sys.path.insert(0, str(REPO / "tests"))
 TOKENS = 16384  # per batch: B = TOKENS // S (ANCHORS.md)
 
 
-def load(*names: str) -> list[types.ModuleType]:
-    """Modules of the package straight from the source tree (no build, no ``_ops``)."""
-    if "flash_attn_tune" not in sys.modules:
-        package = types.ModuleType("flash_attn_tune")
-        package.__path__ = [str(PACKAGE)]
-        sys.modules["flash_attn_tune"] = package
-    return [importlib.import_module(f"flash_attn_tune.{name}") for name in names]
+def load(*names: str, package: Path = PACKAGE,
+         alias: str = "flash_attn_tune") -> list[types.ModuleType]:
+    """Modules of the package straight from a source tree (no build, no ``_ops``): this
+    repository's by default, or another copy of it (``package``) under its own ``alias``."""
+    if alias not in sys.modules:
+        module = types.ModuleType(alias)
+        module.__path__ = [str(package)]
+        sys.modules[alias] = module
+    return [importlib.import_module(f"{alias}.{name}") for name in names]
 
 
 def parse_args(doc: str, head_dims: list[int], *, heads: bool = False) -> argparse.Namespace:

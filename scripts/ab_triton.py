@@ -20,10 +20,8 @@ Workloads: bf16, 16k tokens per batch (ANCHORS.md), ``--seqlens`` x ``--heads`` 
 from __future__ import annotations
 
 import argparse
-import importlib
 import statistics
 import sys
-import types
 from pathlib import Path
 
 import torch
@@ -34,13 +32,6 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import _tune_common as tc  # noqa: E402
 import tune_triton_bwd  # noqa: E402
 import tune_triton_fwd  # noqa: E402
-
-
-def _load_baseline(path: Path, name: str):
-    package = types.ModuleType("flash_attn_baseline")
-    package.__path__ = [str(path)]
-    sys.modules["flash_attn_baseline"] = package
-    return importlib.import_module(f"flash_attn_baseline.{name}")
 
 
 def main() -> int:
@@ -62,11 +53,11 @@ def main() -> int:
     from triton.testing import do_bench
 
     ours_fwd, params_mod = tc.load("_triton_fwd", "_params")
-    base_fwd = _load_baseline(args.baseline, "_triton_fwd")
+    base_fwd, = tc.load("_triton_fwd", package=args.baseline, alias="flash_attn_baseline")
     attn_params = params_mod.AttnParams
     if args.kernel == "bwd":
         ours_bwd, = tc.load("_triton_bwd")
-        base_bwd = _load_baseline(args.baseline, "_triton_bwd")
+        base_bwd, = tc.load("_triton_bwd", package=args.baseline, alias="flash_attn_baseline")
     print(f"{torch.cuda.get_device_name()}: {args.kernel}, D={args.head_dim}, ours "
           f"{tc.PACKAGE} against {args.baseline}, median of {args.rounds} rounds", flush=True)
     for seqlen in args.seqlens:
