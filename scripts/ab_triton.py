@@ -28,8 +28,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO))
 
 import _tune_common as tc  # noqa: E402
+from flash_attn_hub.bench.workloads import Workload, attention_flops  # noqa: E402
 import tune_triton_bwd  # noqa: E402
 import tune_triton_fwd  # noqa: E402
 
@@ -65,8 +67,9 @@ def main() -> int:
         for heads in args.heads:
             for mask in args.masks:
                 causal = mask == "causal"
-                flops = 4 * batch * heads[0] * seqlen * seqlen * args.head_dim
-                flops = flops / (2 if causal else 1) * (2.5 if args.kernel == "bwd" else 1)
+                flops = attention_flops(Workload("ab", batch, seqlen, seqlen, heads[0],
+                                                 heads[1], args.head_dim, causal),
+                                        args.kernel)
                 torch.manual_seed(0)
                 if args.kernel == "fwd":
                     problems = {name: tune_triton_fwd.Problem(mod, attn_params, batch, seqlen,
