@@ -93,14 +93,20 @@ for phase in "${phases[@]}"; do
         -p no:cacheprovider -n "${TEST_WORKERS:-12}" ${TEST_ARGS:-tests}
       ;;
     tune)
-      # TUNE_ARGS e.g. "--head-dims 128 --quick"; the tuned tables land in $OUT/tune.
+      # TUNE_ARGS e.g. "--head-dims 128 --quick"; TUNE_KERNELS "fwd", "bwd" or both (default);
+      # several TUNE_ARGS separated by ";" run one after another into the same tables. The
+      # tuned tables land in $OUT/tune.
       mkdir -p "$OUT/tune"
-      # shellcheck disable=SC2086
-      run_phase tune-fwd timeout "${TUNE_TIMEOUT:-300}" python3 benchmarks/tune_triton_fwd.py \
-        ${TUNE_ARGS:---quick} --out "$OUT/tune/triton_fwd.json"
-      # shellcheck disable=SC2086
-      run_phase tune-bwd timeout "${TUNE_TIMEOUT:-300}" python3 benchmarks/tune_triton_bwd.py \
-        ${TUNE_ARGS:---quick} --out "$OUT/tune/triton_bwd.json"
+      IFS=';' read -ra tune_sets <<< "${TUNE_ARGS:---quick}"
+      for kernel in ${TUNE_KERNELS:-fwd bwd}; do
+        j=0
+        for args in "${tune_sets[@]}"; do
+          j=$((j + 1))
+          # shellcheck disable=SC2086
+          run_phase "tune-$kernel-$j" timeout "${TUNE_TIMEOUT:-300}" \
+            python3 "benchmarks/tune_triton_$kernel.py" $args --out "$OUT/tune/triton_$kernel.json"
+        done
+      done
       ;;
     ktimes)
       # GPU time per kernel of ours against SDPA cuDNN (scripts/kernel_times.py); KT_ARGS holds
