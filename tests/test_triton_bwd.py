@@ -275,9 +275,8 @@ def test_atomic_dq_path(bwd, attn_params, device, monkeypatch, name):
 
 @pytest.mark.parametrize("name", ["everything_varlen", "odd_130x17_full", "d80_gqa2"])
 def test_atomic_dq_with_tensor_descriptors(bwd, attn_params, device, name):
-    """The atomic path with descriptor reads; on a GPU the dQ tiles are added through a
-    descriptor too ([Note: bulk dQ reduce]: rows past the sequence and columns past the head
-    dim, D=80 in a 128-wide tile, must be dropped), in the interpreter by pointer atomics."""
+    """The atomic path with descriptor reads: partial query blocks and D=80 in a 128-wide tile
+    (the atomics' row and column masks)."""
     tiles = (*ATOMIC_TILES[:9], True, False, True)
     check_case(bwd, attn_params, device,
                dataclasses.replace(CASES[name], tiles=tiles, deterministic=False))
@@ -285,8 +284,8 @@ def test_atomic_dq_with_tensor_descriptors(bwd, attn_params, device, name):
 
 @pytest.mark.parametrize("name", ["everything_varlen", "d80_gqa2"])
 def test_head_dim_split_with_atomic_dq_through_descriptors(bwd, attn_params, device, name):
-    """Each half-width program adds its columns of dQ at column col0 (through a descriptor on
-    a GPU)."""
+    """Each half-width program adds its columns of dQ at column col0, reading through
+    descriptors."""
     tiles = (*D_SPLIT_TILES[:9], True, False, True, 2)
     check_case(bwd, attn_params, device,
                dataclasses.replace(CASES[name], tiles=tiles, deterministic=False))
@@ -512,8 +511,7 @@ def test_import_does_not_touch_cuda():
 
 # Compiles both main kernels for sm_90a and sm_80 with every feature flag on and the shipped
 # tiles, and for sm_90a through tensor descriptors too (Triton's frontend, LLVM and ptxas run
-# without a GPU), there also with dQ through the bulk reduce, in a process without the
-# interpreter: catches what only the compiler checks
+# without a GPU), in a process without the interpreter: catches what only the compiler checks
 # (constexpr globals, types, layouts). Prints ptxas's registers and spills per variant.
 _COMPILE_SCRIPT = r"""
 import importlib, os, re, subprocess, sys, tempfile, types
@@ -543,8 +541,8 @@ for arch, name, tma in ((90, "sm90", False), (90, "sm90", True), (80, "sm80", Fa
         extra = [dict(GROUP_SPLITS=2, D_SPLITS=1)] if (arch, tma) == (90, False) else []
         if (arch, tma, head_dim) == (90, False, 256):
             extra.append(dict(GROUP_SPLITS=1, D_SPLITS=2, ATOMIC_DQ=True))
-        if (arch, tma) == (90, True):  # dQ through the bulk reduce ([Note: bulk dQ reduce])
-            extra.append(dict(GROUP_SPLITS=1, D_SPLITS=1, ATOMIC_DQ=True, DQ_BULK=True))
+        if (arch, tma, head_dim) == (90, False, 64):  # the H200's D=64 entry: atomic dQ
+            extra.append(dict(GROUP_SPLITS=1, D_SPLITS=1, ATOMIC_DQ=True))
         variants = [(bwd._bwd_dkdv_kernel, "dkdv", e)
                     for e in [dict(GROUP_SPLITS=1, D_SPLITS=1)] + extra]
         for kernel, kind, extra in variants + [(bwd._bwd_dq_kernel, "dq", {})]:
@@ -555,7 +553,6 @@ for arch, name, tma in ((90, "sm90", False), (90, "sm90", True), (80, "sm80", Fa
                          TMA=tma or getattr(tiles, kind + "_tma"), **extra)
             if kind == "dkdv":
                 flags.setdefault("ATOMIC_DQ", False)
-                flags.setdefault("DQ_BULK", False)
             fp32 = ({"LSE", "DELTA", "ALIBI"}
                     | ({"DK", "DV"} if extra.get("GROUP_SPLITS", 1) > 1 else set())
                     | ({"DQACC"} if extra.get("ATOMIC_DQ") else set()))

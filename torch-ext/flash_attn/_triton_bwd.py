@@ -68,15 +68,6 @@ zero-filled (.., Hq, D) fp32 buffer (summed in whatever order the programs finis
 bitwise reproducible), converted to dQ's dtype at the end. The buffer is per query head, as dQ
 is; K/V-sized gradients stay reduced in registers as before.
 
-[Note: bulk dQ reduce] Where the dK/dV kernel reads through descriptors (sm90+), the atomic
-path adds each BLOCK_M x BLOCK_D dQ tile with one descriptor ``atomic_add``: the tile goes
-through shared memory and the copy engine reduces it into dq_acc in L2 (a bulk reduce-add, as
-the CUDA backward does), instead of BLOCK_M x BLOCK_D scattered 4-byte atomics from the
-threads (which the H200 measured 24% slower than the dQ kernel, NOTES). The copy engine drops
-the rows past the sequence and the columns past the head dim, so no mask is needed. Triton's
-interpreter has no descriptor reduce, so CPU runs take the pointer atomics (``DQ_BULK`` is
-False there) and the bulk path is tested on the GPU.
-
 [Note: offsets] Per-program bases (batch, head, sequence start) and per-block offsets are
 int64; in-tile offsets stay int32, so tensors beyond 2**31 elements address correctly.
 """
@@ -143,19 +134,17 @@ def _bwd_delta_kernel(O, DO, DELTA, CU_SEQLENS_Q,
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, k_cols, v, q_src, do_src, q_base, do_base, lse_base, delta_base,
-                dq_dst, stride_qs, stride_dos, stride_ls, stride_dqs, block_lo, block_hi, cols,
+                dq_base, stride_qs, stride_dos, stride_ls, stride_dqs, block_lo, block_hi, cols,
                 col0, seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2,
                 alibi_slope_log2, window_left, window_right, seed_lo, seed_hi, batch, head,
                 num_heads_q, threshold, dropout_rescale, MASKED: tl.constexpr,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                 D_SPLITS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
-                DROPOUT: tl.constexpr, TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                DQ_BULK: tl.constexpr):
+                DROPOUT: tl.constexpr, TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """Accumulates the contribution of query blocks ``[block_lo, block_hi)`` of one head;
     ``q_src``/``do_src`` are that head's Q/dO matrices as ``rows_source`` gives them. With
-    ATOMIC_DQ it also adds ``scale * dS K`` into the fp32 dQ rows ``dq_dst`` (a descriptor of
-    BLOCK_M x BLOCK_D / D_SPLITS blocks with DQ_BULK, else the rows' base pointer). With
+    ATOMIC_DQ it also adds ``scale * dS K`` into the fp32 rows at ``dq_base``. With
     D_SPLITS > 1 the program owns head-dim columns ``col0 .. col0 + BLOCK_D / D_SPLITS`` of
     dK, dV (and dQ): the scores still contract over the whole head dim, the gradient dots read
     that column slice of Q and dO (``q_base``/``do_base``, pointers) and of K (``k_cols``)."""
@@ -207,15 +196,12 @@ def _dkdv_inner(dk, dv, k, k_cols, v, q_src, do_src, q_base, do_base, lse_base, 
         dk += tl.dot(ds_t.to(q_t.dtype), q_cols)
         if ATOMIC_DQ:
             dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k_cols) * softmax_scale
-            if DQ_BULK:  # [Note: bulk dQ reduce]
-                dq_dst.atomic_add([start_m, col0], dq)
+            dq_ptrs = dq_base + rows[:, None] * stride_dqs + offs_d[None, :]
+            if MASKED:
+                dq_ok = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
             else:
-                dq_ptrs = dq_dst + rows[:, None] * stride_dqs + offs_d[None, :]
-                if MASKED:
-                    dq_ok = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-                else:
-                    dq_ok = offs_d[None, :] < HEAD_DIM
-                tl.atomic_add(dq_ptrs, dq, mask=dq_ok, sem="relaxed")
+                dq_ok = offs_d[None, :] < HEAD_DIM
+            tl.atomic_add(dq_ptrs, dq, mask=dq_ok, sem="relaxed")
     return dk, dv
 
 
@@ -233,8 +219,7 @@ def _bwd_dkdv_kernel(
         BLOCK_N: tl.constexpr, GROUP: tl.constexpr, GROUP_SPLITS: tl.constexpr,
         IS_VARLEN: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
         SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-        TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_BULK: tl.constexpr,
-        D_SPLITS: tl.constexpr):
+        TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr, D_SPLITS: tl.constexpr):
     # The GROUP_SPLITS x D_SPLITS programs of one key block are adjacent in launch order: they
     # run together (sharing the K/V tile in L2) and the heaviest causal key blocks go first.
     pid = tl.program_id(0)
@@ -297,34 +282,32 @@ def _bwd_dkdv_kernel(
         do_src = rows_source(do_base, seqlen_q, stride_dos, BLOCK_M, HEAD_DIM, BLOCK_D, TMA)
         lse_base = LSE + batch64 * stride_lb + head64 * stride_lh + q_row0 * stride_ls
         delta_base = DELTA + batch64 * stride_lb + head64 * stride_lh + q_row0 * stride_ls
-        dq_dst = rows_source(DQACC + batch64 * stride_dqb + head64 * stride_dqh
-                             + q_row0 * stride_dqs, seqlen_q, stride_dqs, BLOCK_M, HEAD_DIM,
-                             BLOCK_D // D_SPLITS, DQ_BULK)
+        dq_base = DQACC + batch64 * stride_dqb + head64 * stride_dqh + q_row0 * stride_dqs
         if HAS_ALIBI:
             alibi_slope_log2 = tl.load(ALIBI + batch64 * stride_ab + head) * LOG2E
         else:
             alibi_slope_log2 = 0.0
         dk, dv = _dkdv_inner(
-            dk, dv, k, k_cols, v, q_src, do_src, q_base, do_base, lse_base, delta_base, dq_dst,
+            dk, dv, k, k_cols, v, q_src, do_src, q_base, do_base, lse_base, delta_base, dq_base,
             stride_qs, stride_dos, stride_ls, stride_dqs, full_lo, full_hi, cols, col0, seqlen_q,
             seqlen_k, softmax_scale, qk_scale, softcap_log2, alibi_slope_log2, window_left,
             window_right, seed_lo, seed_hi, batch, head, num_heads_q, thr, dropout_rescale,
             False, HEAD_DIM, BLOCK_M, BLOCK_D, D_SPLITS, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT,
-            HAS_WINDOW_RIGHT, DROPOUT, TMA, ATOMIC_DQ, DQ_BULK)
+            HAS_WINDOW_RIGHT, DROPOUT, TMA, ATOMIC_DQ)
         dk, dv = _dkdv_inner(
-            dk, dv, k, k_cols, v, q_src, do_src, q_base, do_base, lse_base, delta_base, dq_dst,
+            dk, dv, k, k_cols, v, q_src, do_src, q_base, do_base, lse_base, delta_base, dq_base,
             stride_qs, stride_dos, stride_ls, stride_dqs, lo, full_lo, cols, col0, seqlen_q,
             seqlen_k, softmax_scale, qk_scale, softcap_log2, alibi_slope_log2, window_left,
             window_right, seed_lo, seed_hi, batch, head, num_heads_q, thr, dropout_rescale,
             True, HEAD_DIM, BLOCK_M, BLOCK_D, D_SPLITS, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT,
-            HAS_WINDOW_RIGHT, DROPOUT, TMA, ATOMIC_DQ, DQ_BULK)
+            HAS_WINDOW_RIGHT, DROPOUT, TMA, ATOMIC_DQ)
         dk, dv = _dkdv_inner(
-            dk, dv, k, k_cols, v, q_src, do_src, q_base, do_base, lse_base, delta_base, dq_dst,
+            dk, dv, k, k_cols, v, q_src, do_src, q_base, do_base, lse_base, delta_base, dq_base,
             stride_qs, stride_dos, stride_ls, stride_dqs, full_hi, hi, cols, col0, seqlen_q,
             seqlen_k, softmax_scale, qk_scale, softcap_log2, alibi_slope_log2, window_left,
             window_right, seed_lo, seed_hi, batch, head, num_heads_q, thr, dropout_rescale,
             True, HEAD_DIM, BLOCK_M, BLOCK_D, D_SPLITS, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT,
-            HAS_WINDOW_RIGHT, DROPOUT, TMA, ATOMIC_DQ, DQ_BULK)
+            HAS_WINDOW_RIGHT, DROPOUT, TMA, ATOMIC_DQ)
 
     dk = dk * softmax_scale
     out_base = batch64 * stride_dkb + kv_head64 * stride_dkh + k_row0 * stride_dks
@@ -654,13 +637,12 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
         assert cfg.dkdv_d_splits in (1, 2, 4), "a power of two that divides every BLOCK_D >= 16"
         d_splits = cfg.dkdv_d_splits if flags["BLOCK_D"] // cfg.dkdv_d_splits >= 16 else 1
         grid = (key_blocks * group_splits * d_splits, shape.heads_kv, shape.batch)
-        dkdv_tma = use_tma(cfg.dkdv_tma, q.device, shape, q, k, v, dout)
         _bwd_dkdv_kernel[grid](
             q, k, v, dout, lse, delta, dk_dst, dv_dst, dq_acc, cu_seqlens_q, cu_seqlens_k,
             alibi_slopes, *strides, *shape.seq_strides(dk), split_stride,
             *shape.seq_strides(dq_acc), *shape.lse_strides(lse), **scalars,
             BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, GROUP_SPLITS=group_splits,
-            TMA=dkdv_tma, ATOMIC_DQ=atomic_dq, DQ_BULK=atomic_dq and dkdv_tma and q.is_cuda,
+            TMA=use_tma(cfg.dkdv_tma, q.device, shape, q, k, v, dout), ATOMIC_DQ=atomic_dq,
             D_SPLITS=d_splits, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **flags)
         if group_splits > 1:
             dk.copy_(dk_dst.sum(dim=0))
