@@ -134,6 +134,12 @@ CASES = {  # name -> overrides of BASE and feature switches
     "d256_sink": dict(head_dim=256, batch=1, seqlen_q=17, seqlen_k=20, heads_q=2, heads_kv=1,
                       sink=True),
     "transposed_gqa_causal": dict(layout="transposed", heads_q=8, heads_kv=2, causal=True),
+    # head dims split into two tiles ([Note: split head dim]): 128 + 64, and 128 + 8 columns in
+    # a 16-wide second tile
+    "d192_gqa_causal": dict(head_dim=192, batch=1, seqlen_q=37, seqlen_k=29, heads_q=4,
+                            heads_kv=2, causal=True, softcap=5.0),
+    "d136_window_sink": dict(head_dim=136, batch=1, seqlen_q=21, seqlen_k=40, heads_q=2,
+                             heads_kv=1, window=(9, 3), sink=True),
 }
 CI_CASES = {"causal_sq_gt_sk", "gqa4", "sink_window_empty_rows", "dropout", "d40_transposed"}
 
@@ -204,6 +210,45 @@ def test_tensor_descriptor_path(fwd, attn_params, device, descriptor_choices, na
     torch.manual_seed(1)
     run_case(fwd, attn_params, device, torch.float16, CASES[name], tiles=TMA_TILES)
     assert descriptor_choices == [True]
+
+
+@pytest.mark.parametrize("tiles", [None, TMA_TILES], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("name", ["d192_gqa_causal", "d136_window_sink", "d80", "d40_transposed"])
+def test_split_head_dim_matches_padded_tiles(fwd, attn_params, device, monkeypatch, tiles, name):
+    """[Note: split head dim]: the two-tile program and the padded one (``SPLIT_HEAD_DIM``
+    off) both match the reference, and each other to within the last bits of the fp32
+    accumulation order."""
+    outputs = []
+    for split in (True, False):
+        monkeypatch.setattr(fwd, "SPLIT_HEAD_DIM", split)
+        torch.manual_seed(3)
+        spec = {**BASE, **CASES[name]}
+        q, k, v = make_inputs(device, torch.float16, layout=spec.get("layout", "contiguous"),
+                              **{key: spec[key] for key in BASE})
+        params = make_params(attn_params, head_dim=spec["head_dim"],
+                             causal=spec.get("causal", False),
+                             window=spec.get("window", (-1, -1)),
+                             softcap=spec.get("softcap", 0.0), max_seqlen_q=spec["seqlen_q"],
+                             max_seqlen_k=spec["seqlen_k"])
+        out, lse = run_forward(fwd, q, k, v, params=params,
+                               tiles=None if tiles is None else fwd.FwdTiles(*tiles))
+        check_against_reference(q, k, v, out, lse, params)
+        outputs.append((out, lse))
+    (out_split, lse_split), (out_padded, lse_padded) = outputs
+    torch.testing.assert_close(out_split, out_padded, atol=2e-3, rtol=0)
+    torch.testing.assert_close(lse_split, lse_padded, atol=1e-4, rtol=1e-5)
+
+
+def test_head_dim_split_widths(package):
+    split = submodule(package, "_tuning").head_dim_split
+    assert split(192) == (128, 64, 64)
+    assert split(136) == (128, 8, 16)
+    assert split(96) == (64, 32, 32)
+    assert split(40) == (32, 8, 16)
+    for padded in (16, 32, 64, 128, 256):  # powers of two are never split
+        assert split(padded) == (padded, 0, 0)
+    assert split(200) == (256, 0, 0)  # 128 + 128 would be no narrower
+    assert split(24) == (32, 0, 0)  # 16 + 16 would be no narrower
 
 
 def test_misaligned_inputs_take_the_pointer_path(fwd, attn_params, device, descriptor_choices):
@@ -555,14 +600,18 @@ CASES = [(90, 64, True, {}), (90, 128, True, {}), (90, 256, True, {}),
          (80, 64, False, {}), (80, 128, True, {}), (80, 256, False, {}),
          (90, 64, True, dict(tma=True)), (90, 128, True, dict(tma=True)),
          (90, 128, False, dict(tma=True, warp_specialize=True)),
-         (90, 256, True, dict(tma=True))]
+         (90, 256, True, dict(tma=True)),
+         # head dims split into two tiles (128 + 64, 64 + 32), through descriptors and pointers
+         (90, 192, True, {}), (90, 192, False, dict(tma=True)), (90, 96, True, {}),
+         (80, 192, False, {}), (80, 96, True, {})]
 for arch, head_dim, features, override in CASES:
     tiles = dataclasses.replace(fwd.TABLE.default(f"sm{arch}", head_dim), **override)
-    const = dict(HEAD_DIM=head_dim, BLOCK_D=tuning.block_d_for(head_dim), BLOCK_M=tiles.block_m,
+    block_d, head_dim2, block_d2 = tuning.head_dim_split(head_dim)
+    const = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=tiles.block_m,
                  BLOCK_N=tiles.block_n, GROUP=4, IS_VARLEN=features, HAS_WINDOW_LEFT=features,
                  HAS_WINDOW_RIGHT=True, SOFTCAP=features, HAS_ALIBI=features,
                  HAS_SINK=features, DROPOUT=features, TMA=tiles.tma,
-                 WARP_SPECIALIZE=tiles.warp_specialize)
+                 WARP_SPECIALIZE=tiles.warp_specialize, HEAD_DIM2=head_dim2, BLOCK_D2=block_d2)
     compile_for(kernel, const, arch, tiles.num_warps, tiles.num_stages,
                 f"D={head_dim} features={features} {override or 'table'} "
                 f"{(tiles.block_m, tiles.block_n, tiles.num_warps, tiles.num_stages)}")

@@ -42,6 +42,15 @@ sequence-local (row, key) indices, bitwise equal to ``tests/reference.dropout_ke
 one FFMA per score. That removes one FMUL per score: 64 of the ~550 instructions a thread runs
 per 128 x 128 step at D=128 (sm90 SASS).
 
+[Note: split head dim] A head dim just above a power of two pads its tiles to the next one:
+D=192 runs 256-wide Q K^T and P V products, a quarter of them on zero columns (the H200
+measured 0.63-0.69x cuDNN at D=192 against 0.80-0.90x at D=256). ``head_dim_split`` cuts such a
+head dim into two power-of-two tiles (128 + 64 at D=192, 64 + 32 at D=96): the program loads Q,
+K, V in both, adds the two score products (``tl.dot(q2, k2_t, qk)``), keeps one output
+accumulator per tile and stores both; the second tile's descriptors start HEAD_DIM - HEAD_DIM2
+columns into the row (a multiple of 16 elements: 16-byte aligned). Tile sizes stay those of
+the padded bucket. ``SPLIT_HEAD_DIM`` turns it off (the A/B of the measurement).
+
 [Note: offsets] Per-program bases (batch, head, sequence start) and per-block key offsets are
 int64; in-tile offsets stay int32, so tensors beyond 2**31 elements address correctly.
 """
@@ -59,7 +68,7 @@ from ._params import AttnParams
 from ._triton_common import (LOG2E, LaunchShape, dropout_keep, dropout_row_hash,
                              key_block_range, load_rows, load_rows_t, rows_source, scores_log2,
                              sequence_bounds, shared_arguments, store_rows, use_tma, visible)
-from ._tuning import HEAD_DIM_BUCKETS, TileTable
+from ._tuning import HEAD_DIM_BUCKETS, TileTable, head_dim_split
 
 
 @triton.jit
@@ -69,24 +78,35 @@ def _inner_loop(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, block_lo, 
                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
                 HAS_WINDOW_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr,
-                WARP_SPECIALIZE: tl.constexpr):
+                WARP_SPECIALIZE: tl.constexpr, acc2=0.0, q2=0.0, k2_src=0, v2_src=0,
+                HEAD_DIM2: tl.constexpr = 0, BLOCK_D2: tl.constexpr = 0):
     """Online softmax over key blocks ``[block_lo, block_hi)`` ([Note: one key loop]): blocks
     outside ``[full_lo, full_hi)`` are band or sequence edges and pay for the visibility mask.
-    ``k_src``/``v_src`` are the sequence's K/V matrices as ``rows_source`` gives them."""
+    ``k_src``/``v_src`` are the sequence's K/V matrices as ``rows_source`` gives them. With
+    BLOCK_D2 > 0 the head dim is split ([Note: split head dim]): ``q``, ``k_src``, ``v_src``,
+    ``acc`` hold its first HEAD_DIM - HEAD_DIM2 columns, ``q2``, ``k2_src``, ``v2_src``,
+    ``acc2`` the other HEAD_DIM2 (in BLOCK_D2-wide tiles); returns ``acc2`` too then."""
     diag = seqlen_k - seqlen_q
     for block in tl.range(block_lo, block_hi, warp_specialize=WARP_SPECIALIZE):
         start_n = block * BLOCK_N
         cols = start_n + offs_n
-        k_t = load_rows_t(k_src, start_n, stride_ks, seqlen_k, BLOCK_N, HEAD_DIM, BLOCK_D,
-                          True, TMA)
-        v = load_rows(v_src, start_n, stride_vs, seqlen_k, BLOCK_N, HEAD_DIM, BLOCK_D, True,
-                      TMA)
+        k_t = load_rows_t(k_src, start_n, stride_ks, seqlen_k, BLOCK_N, HEAD_DIM - HEAD_DIM2,
+                          BLOCK_D, True, TMA)
+        v = load_rows(v_src, start_n, stride_vs, seqlen_k, BLOCK_N, HEAD_DIM - HEAD_DIM2,
+                      BLOCK_D, True, TMA)
+        qk = tl.dot(q, k_t)
+        if BLOCK_D2 > 0:
+            k2_t = load_rows_t(k2_src, start_n, stride_ks, seqlen_k, BLOCK_N, HEAD_DIM2,
+                               BLOCK_D2, True, TMA)
+            v2 = load_rows(v2_src, start_n, stride_vs, seqlen_k, BLOCK_N, HEAD_DIM2, BLOCK_D2,
+                           True, TMA)
+            qk = tl.dot(q2, k2_t, qk)
         if SOFTCAP or HAS_ALIBI:
-            s, _ = scores_log2(tl.dot(q, k_t), rows[:, None], cols[None, :], diag, qk_scale,
+            s, _ = scores_log2(qk, rows[:, None], cols[None, :], diag, qk_scale,
                                softcap_log2, alibi_slope_log2, SOFTCAP, HAS_ALIBI)
             scale = 1.0
         else:
-            s = tl.dot(q, k_t)  # raw: [Note: scale after the max]
+            s = qk  # raw: [Note: scale after the max]
             scale = qk_scale
         if (block < full_lo) | (block >= full_hi):  # a uniform branch, skipped inside the band
             ok = visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left,
@@ -100,8 +120,13 @@ def _inner_loop(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, block_lo, 
         if DROPOUT:
             p = tl.where(dropout_keep(row_hash, cols, threshold), p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if BLOCK_D2 > 0:
+            acc2 = acc2 * alpha[:, None] + tl.dot(p.to(v2.dtype), v2)
         m_i = m_new
-    return acc, l_i, m_i
+    if BLOCK_D2 > 0:
+        return acc, l_i, m_i, acc2
+    else:
+        return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=["threshold", "seed_lo", "seed_hi"])
@@ -117,7 +142,8 @@ def _attn_fwd_kernel(
         BLOCK_N: tl.constexpr, GROUP: tl.constexpr, IS_VARLEN: tl.constexpr,
         HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
         HAS_ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, DROPOUT: tl.constexpr,
-        TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+        TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, HEAD_DIM2: tl.constexpr,
+        BLOCK_D2: tl.constexpr):
     # Heaviest query blocks first (bottom-right causal: the last rows see the most keys).
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -134,15 +160,18 @@ def _attn_fwd_kernel(
     kv_head64 = (head // GROUP).to(tl.int64)
     q_row0 = tl.cast(q_start, tl.int64)
     k_row0 = tl.cast(k_start, tl.int64)
-    # This (sequence, head)'s matrices: pointers at its first row, or descriptors of them.
-    q_src = rows_source(Q + batch64 * stride_qb + head64 * stride_qh + q_row0 * stride_qs,
-                        seqlen_q, stride_qs, BLOCK_M, HEAD_DIM, BLOCK_D, TMA)
-    o_dst = rows_source(O + batch64 * stride_ob + head64 * stride_oh + q_row0 * stride_os,
-                        seqlen_q, stride_os, BLOCK_M, HEAD_DIM, BLOCK_D, TMA)
-    k_src = rows_source(K + batch64 * stride_kb + kv_head64 * stride_kh + k_row0 * stride_ks,
-                        seqlen_k, stride_ks, BLOCK_N, HEAD_DIM, BLOCK_D, TMA)
-    v_src = rows_source(V + batch64 * stride_vb + kv_head64 * stride_vh + k_row0 * stride_vs,
-                        seqlen_k, stride_vs, BLOCK_N, HEAD_DIM, BLOCK_D, TMA)
+    # This (sequence, head)'s matrices: pointers at its first row, or descriptors of them; under
+    # a head-dim split ([Note: split head dim]) of their first HEAD_DIM - HEAD_DIM2 columns, and
+    # the *2 ones of the rest.
+    D1: tl.constexpr = HEAD_DIM - HEAD_DIM2
+    q_base = Q + batch64 * stride_qb + head64 * stride_qh + q_row0 * stride_qs
+    o_base = O + batch64 * stride_ob + head64 * stride_oh + q_row0 * stride_os
+    k_base = K + batch64 * stride_kb + kv_head64 * stride_kh + k_row0 * stride_ks
+    v_base = V + batch64 * stride_vb + kv_head64 * stride_vh + k_row0 * stride_vs
+    q_src = rows_source(q_base, seqlen_q, stride_qs, BLOCK_M, D1, BLOCK_D, TMA)
+    o_dst = rows_source(o_base, seqlen_q, stride_os, BLOCK_M, D1, BLOCK_D, TMA)
+    k_src = rows_source(k_base, seqlen_k, stride_ks, BLOCK_N, D1, BLOCK_D, TMA)
+    v_src = rows_source(v_base, seqlen_k, stride_vs, BLOCK_N, D1, BLOCK_D, TMA)
     lse_base = (LSE + batch64 * stride_lb + head64 * stride_lh
                 + (q_row0 + m_first) * stride_ls)
 
@@ -150,7 +179,7 @@ def _attn_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     rows = m_first + offs_m
     m_ok = rows < seqlen_q
-    q = load_rows(q_src, m_first, stride_qs, seqlen_q, BLOCK_M, HEAD_DIM, BLOCK_D, True, TMA)
+    q = load_rows(q_src, m_first, stride_qs, seqlen_q, BLOCK_M, D1, BLOCK_D, True, TMA)
 
     if HAS_SINK:
         m_i = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(S_AUX + head) * LOG2E
@@ -173,21 +202,40 @@ def _attn_fwd_kernel(
     lo, full_lo, full_hi, hi = key_block_range(m_first, m_last, seqlen_q, seqlen_k,
                                                window_left, window_right, BLOCK_N,
                                                HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
-    acc, l_i, m_i = _inner_loop(
-        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, full_lo, full_hi, hi, rows,
-        offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2, window_left,
-        window_right, row_hash, thr, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI,
-        HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA, WARP_SPECIALIZE)
+    if BLOCK_D2 > 0:
+        q2_src = rows_source(q_base + D1, seqlen_q, stride_qs, BLOCK_M, HEAD_DIM2, BLOCK_D2, TMA)
+        k2_src = rows_source(k_base + D1, seqlen_k, stride_ks, BLOCK_N, HEAD_DIM2, BLOCK_D2, TMA)
+        v2_src = rows_source(v_base + D1, seqlen_k, stride_vs, BLOCK_N, HEAD_DIM2, BLOCK_D2, TMA)
+        q2 = load_rows(q2_src, m_first, stride_qs, seqlen_q, BLOCK_M, HEAD_DIM2, BLOCK_D2, True,
+                       TMA)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_D2], tl.float32)
+        acc, l_i, m_i, acc2 = _inner_loop(
+            acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, full_lo, full_hi, hi,
+            rows, offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2,
+            window_left, window_right, row_hash, thr, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP,
+            HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA, WARP_SPECIALIZE, acc2,
+            q2, k2_src, v2_src, HEAD_DIM2, BLOCK_D2)
+    else:
+        acc, l_i, m_i = _inner_loop(
+            acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, full_lo, full_hi, hi,
+            rows, offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2,
+            window_left, window_right, row_hash, thr, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP,
+            HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA, WARP_SPECIALIZE)
 
     has_mass = l_i > 0.0
     l_safe = tl.where(has_mass, l_i, 1.0)
     if DROPOUT:
-        out = acc * (dropout_rescale / l_safe)[:, None]
+        norm = dropout_rescale / l_safe
     else:
-        out = acc * (1.0 / l_safe)[:, None]
+        norm = 1.0 / l_safe
     lse = tl.where(has_mass, (m_i + tl.log2(l_safe)) / LOG2E, float("-inf"))
-    store_rows(o_dst, m_first, stride_os, seqlen_q, out.to(O.dtype.element_ty), BLOCK_M,
-               HEAD_DIM, BLOCK_D, TMA)
+    store_rows(o_dst, m_first, stride_os, seqlen_q, (acc * norm[:, None]).to(O.dtype.element_ty),
+               BLOCK_M, D1, BLOCK_D, TMA)
+    if BLOCK_D2 > 0:
+        o2_dst = rows_source(o_base + D1, seqlen_q, stride_os, BLOCK_M, HEAD_DIM2, BLOCK_D2, TMA)
+        store_rows(o2_dst, m_first, stride_os, seqlen_q,
+                   (acc2 * norm[:, None]).to(O.dtype.element_ty), BLOCK_M, HEAD_DIM2, BLOCK_D2,
+                   TMA)
     tl.store(lse_base + offs_m * stride_ls, lse, mask=m_ok)
 
 
@@ -212,6 +260,9 @@ class FwdTiles:
     tma: bool = False  # Q/K/V/O through tensor descriptors (sm90+, aligned tensors)
     warp_specialize: bool = False  # tl.range(warp_specialize=True) on the key loops
 
+
+# [Note: split head dim]: head dims above a power of two run as two narrower tiles
+SPLIT_HEAD_DIM = True
 
 _T = FwdTiles
 _SM90_64 = _T(128, 64, 8, 3, "ptxas sm90: 225 regs, 0 spills, 64 KB smem; 4 warps spill")
@@ -273,6 +324,10 @@ def forward(q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slope
         return
     cfg = tiles or tile_config(shape.head_dim, q.device, shape.longest)
     scalars, flags = shared_arguments(shape, params, alibi_slopes)
+    if SPLIT_HEAD_DIM:  # [Note: split head dim]
+        flags["BLOCK_D"], head_dim2, block_d2 = head_dim_split(shape.head_dim)
+    else:
+        head_dim2 = block_d2 = 0
     grid = (triton.cdiv(shape.max_seqlen_q, cfg.block_m), shape.heads_q, shape.batch)
     _attn_fwd_kernel[grid](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slopes,
@@ -280,5 +335,5 @@ def forward(q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slope
         *shape.seq_strides(out), *shape.lse_strides(lse), **scalars,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SINK=s_aux is not None,
         TMA=use_tma(cfg.tma, q.device, shape, q, k, v, out),
-        WARP_SPECIALIZE=cfg.warp_specialize, **flags,
+        WARP_SPECIALIZE=cfg.warp_specialize, HEAD_DIM2=head_dim2, BLOCK_D2=block_d2, **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -51,6 +51,19 @@ def block_d_for(head_dim: int) -> int:
     return max(16, 1 << max(0, head_dim - 1).bit_length())
 
 
+def head_dim_split(head_dim: int) -> tuple[int, int, int]:
+    """``(BLOCK_D, HEAD_DIM2, BLOCK_D2)`` of a head dim split into two tiles: the first
+    ``block_d_for(head_dim) // 2`` columns in one, the other ``HEAD_DIM2`` in a second tile of
+    ``BLOCK_D2 = block_d_for(HEAD_DIM2)`` columns, when the two are narrower than the padded
+    tile (D=192: 128 + 64 instead of 256; D=96: 64 + 32); else ``(block_d_for(head_dim), 0, 0)``."""
+    padded = block_d_for(head_dim)
+    first = padded // 2
+    rest = head_dim - first
+    if rest > 0 and first >= 16 and first + block_d_for(rest) < padded:
+        return first, rest, block_d_for(rest)
+    return padded, 0, 0
+
+
 def seqlen_bucket(seqlen: int) -> int:
     """The smallest bucket bound ``>= seqlen``; longer sequences fall into the last bucket."""
     return next((b for b in SEQLEN_BUCKETS if seqlen <= b), SEQLEN_BUCKETS[-1])
