@@ -44,12 +44,21 @@ per 128 x 128 step at D=128 (sm90 SASS).
 
 [Note: split head dim] A head dim just above a power of two pads its tiles to the next one:
 D=192 runs 256-wide Q K^T and P V products, a quarter of them on zero columns (the H200
-measured 0.63-0.69x cuDNN at D=192 against 0.80-0.90x at D=256). ``head_dim_split`` cuts such a
-head dim into two power-of-two tiles (128 + 64 at D=192, 64 + 32 at D=96): the program loads Q,
-K, V in both, adds the two score products (``tl.dot(q2, k2_t, qk)``), keeps one output
-accumulator per tile and stores both; the second tile's descriptors start HEAD_DIM - HEAD_DIM2
-columns into the row (a multiple of 16 elements: 16-byte aligned). Tile sizes stay those of
-the padded bucket. ``SPLIT_HEAD_DIM`` turns it off (the A/B of the measurement).
+measured 0.63-0.69x cuDNN at D=192 against 0.80-0.90x at D=256). ``head_dim_split`` cuts such
+a head dim into two power-of-two tiles (128 + 64 at D=192, 128 + 32 at D=160). The program
+loads Q, K, V in both, adds the second score product into the first (``tl.dot(q2, k2_t,
+qk)``, the padded product's K-chunk order: the H200's outputs were bitwise equal to the
+padded tiles' in all eight workloads measured), keeps one output accumulator per tile and
+stores both. The second tile's descriptors start HEAD_DIM - HEAD_DIM2 columns into the row, a
+multiple of 16 elements, so 16-byte aligned. Tile sizes stay those of the padded bucket.
+- Only padded widths from ``SPLIT_MIN_PADDED`` (256) split. The H200 measured D=192 +8% (full
+  masks, 4k and 16k; causal 4k level, 16k +6%) and D=160 +9-13%, but D=80 and D=96 (64 + 16,
+  64 + 32 out of 128-wide tiles) 14-20% slower.
+- Before sm90 the padded tiles stay: ptxas (sm_80, D=192, 64 x 64 x 8 warps) gives the split
+  program 128 registers, a 1.7 KB stack frame and 2.3 KB of spills, where the padded one fits
+  in 255 registers without spilling; no pre-Hopper GPU has measured either.
+- The interpreter splits, so the CPU tests run both tiles; ``SPLIT_HEAD_DIM`` turns the split
+  off (the A/B of the measurement).
 
 [Note: offsets] Per-program bases (batch, head, sequence start) and per-block key offsets are
 int64; in-tile offsets stay int32, so tensors beyond 2**31 elements address correctly.
@@ -324,7 +333,8 @@ def forward(q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slope
         return
     cfg = tiles or tile_config(shape.head_dim, q.device, shape.longest)
     scalars, flags = shared_arguments(shape, params, alibi_slopes)
-    if SPLIT_HEAD_DIM:  # [Note: split head dim]
+    if SPLIT_HEAD_DIM and not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 9):
+        # [Note: split head dim]
         flags["BLOCK_D"], head_dim2, block_d2 = head_dim_split(shape.head_dim)
     else:
         head_dim2 = block_d2 = 0

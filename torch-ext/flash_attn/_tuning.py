@@ -51,15 +51,23 @@ def block_d_for(head_dim: int) -> int:
     return max(16, 1 << max(0, head_dim - 1).bit_length())
 
 
+# The narrowest padded width whose head dims the Triton forward splits into two tiles: the
+# H200 measured 256 -> 128 + 64 at D=192 +8% (full, 4k and 16k) and 128 + 32 at D=160 +9-13%,
+# but 128 -> 64 + 32 at D=96 and 64 + 16 at D=80 14-20% slower (B=4, S=4k, 16 heads;
+# benchmarks/results/20261204-1820-...-triton-fwd-split-head-dim).
+SPLIT_MIN_PADDED = 256
+
+
 def head_dim_split(head_dim: int) -> tuple[int, int, int]:
     """``(BLOCK_D, HEAD_DIM2, BLOCK_D2)`` of a head dim split into two tiles: the first
     ``block_d_for(head_dim) // 2`` columns in one, the other ``HEAD_DIM2`` in a second tile of
     ``BLOCK_D2 = block_d_for(HEAD_DIM2)`` columns, when the two are narrower than the padded
-    tile (D=192: 128 + 64 instead of 256; D=96: 64 + 32); else ``(block_d_for(head_dim), 0, 0)``."""
+    tile and that is at least ``SPLIT_MIN_PADDED`` wide (D=192: 128 + 64 instead of 256);
+    else ``(block_d_for(head_dim), 0, 0)``."""
     padded = block_d_for(head_dim)
     first = padded // 2
     rest = head_dim - first
-    if rest > 0 and first >= 16 and first + block_d_for(rest) < padded:
+    if padded >= SPLIT_MIN_PADDED and rest > 0 and first + block_d_for(rest) < padded:
         return first, rest, block_d_for(rest)
     return padded, 0, 0
 
