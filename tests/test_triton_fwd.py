@@ -163,6 +163,7 @@ def run_case(fwd, attn_params, device, dtype, spec, tiles=None):
     tiles = None if tiles is None else fwd.FwdTiles(*tiles)
     out, lse = run_forward(fwd, q, k, v, params=params, tiles=tiles, **extra)
     check_against_reference(q, k, v, out, lse, params, **extra)
+    return out, lse
 
 
 CASE_PARAMS = [pytest.param(spec, id=name,
@@ -221,19 +222,8 @@ def test_split_head_dim_matches_padded_tiles(fwd, attn_params, device, monkeypat
     outputs = []
     for split in (True, False):
         monkeypatch.setattr(fwd, "SPLIT_HEAD_DIM", split)
-        torch.manual_seed(3)
-        spec = {**BASE, **CASES[name]}
-        q, k, v = make_inputs(device, torch.float16, layout=spec.get("layout", "contiguous"),
-                              **{key: spec[key] for key in BASE})
-        params = make_params(attn_params, head_dim=spec["head_dim"],
-                             causal=spec.get("causal", False),
-                             window=spec.get("window", (-1, -1)),
-                             softcap=spec.get("softcap", 0.0), max_seqlen_q=spec["seqlen_q"],
-                             max_seqlen_k=spec["seqlen_k"])
-        out, lse = run_forward(fwd, q, k, v, params=params,
-                               tiles=None if tiles is None else fwd.FwdTiles(*tiles))
-        check_against_reference(q, k, v, out, lse, params)
-        outputs.append((out, lse))
+        torch.manual_seed(3)  # the same inputs both times
+        outputs.append(run_case(fwd, attn_params, device, torch.float16, CASES[name], tiles))
     (out_split, lse_split), (out_padded, lse_padded) = outputs
     torch.testing.assert_close(out_split, out_padded, atol=2e-3, rtol=0)
     torch.testing.assert_close(lse_split, lse_padded, atol=1e-4, rtol=1e-5)

@@ -145,7 +145,7 @@ def _split_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc, l_i, m_i = _inner_loop(
+    acc, l_i, m_i, _ = _inner_loop(
         acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, full_lo, full_hi, hi, rows,
         offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2, window_left,
         window_right, 0, 0, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT,

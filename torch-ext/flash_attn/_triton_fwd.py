@@ -94,7 +94,7 @@ def _inner_loop(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, block_lo, 
     ``k_src``/``v_src`` are the sequence's K/V matrices as ``rows_source`` gives them. With
     BLOCK_D2 > 0 the head dim is split ([Note: split head dim]): ``q``, ``k_src``, ``v_src``,
     ``acc`` hold its first HEAD_DIM - HEAD_DIM2 columns, ``q2``, ``k2_src``, ``v2_src``,
-    ``acc2`` the other HEAD_DIM2 (in BLOCK_D2-wide tiles); returns ``acc2`` too then."""
+    ``acc2`` the other HEAD_DIM2 (in BLOCK_D2-wide tiles); else ``acc2`` comes back as given."""
     diag = seqlen_k - seqlen_q
     for block in tl.range(block_lo, block_hi, warp_specialize=WARP_SPECIALIZE):
         start_n = block * BLOCK_N
@@ -132,10 +132,7 @@ def _inner_loop(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, block_lo, 
         if BLOCK_D2 > 0:
             acc2 = acc2 * alpha[:, None] + tl.dot(p.to(v2.dtype), v2)
         m_i = m_new
-    if BLOCK_D2 > 0:
-        return acc, l_i, m_i, acc2
-    else:
-        return acc, l_i, m_i
+    return acc, l_i, m_i, acc2
 
 
 @triton.jit(do_not_specialize=["threshold", "seed_lo", "seed_hi"])
@@ -218,18 +215,17 @@ def _attn_fwd_kernel(
         q2 = load_rows(q2_src, m_first, stride_qs, seqlen_q, BLOCK_M, HEAD_DIM2, BLOCK_D2, True,
                        TMA)
         acc2 = tl.zeros([BLOCK_M, BLOCK_D2], tl.float32)
-        acc, l_i, m_i, acc2 = _inner_loop(
-            acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, full_lo, full_hi, hi,
-            rows, offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2,
-            window_left, window_right, row_hash, thr, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP,
-            HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA, WARP_SPECIALIZE, acc2,
-            q2, k2_src, v2_src, HEAD_DIM2, BLOCK_D2)
     else:
-        acc, l_i, m_i = _inner_loop(
-            acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, full_lo, full_hi, hi,
-            rows, offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2,
-            window_left, window_right, row_hash, thr, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP,
-            HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA, WARP_SPECIALIZE)
+        q2 = 0.0
+        k2_src = 0
+        v2_src = 0
+        acc2 = 0.0
+    acc, l_i, m_i, acc2 = _inner_loop(
+        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, full_lo, full_hi, hi, rows,
+        offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2, window_left,
+        window_right, row_hash, thr, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI,
+        HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, DROPOUT, TMA, WARP_SPECIALIZE, acc2, q2, k2_src,
+        v2_src, HEAD_DIM2, BLOCK_D2)
 
     has_mass = l_i > 0.0
     l_safe = tl.where(has_mass, l_i, 1.0)
