@@ -239,9 +239,10 @@ class Session:
         return score, results
 
     def record(self, *, block_d: int, seqlen: int, shape: str, best, default, results: dict,
-               tag: str):
+               tag: str, default_label: str = "table default"):
         """Keep ``best`` for (this GPU, block_d, bucket of seqlen) with its measured reason;
-        ``default`` is the in-code table's config, ``results`` the :meth:`scorer`'s."""
+        ``default`` is the config the search started from (the in-code table's, or what
+        ``default_label`` names), ``results`` the :meth:`scorer`'s."""
         result, default_result = results.get(short(best)), results.get(short(default))
         if result is None:
             print(f"{tag}: no candidate ran", file=sys.stderr)
@@ -249,7 +250,7 @@ class Session:
         score, rates = result
         versus = ""
         if default_result and short(best) != short(default):
-            versus = f"; table default {short(default)}: {default_result[0]:.0f}"
+            versus = f"; {default_label} {short(default)}: {default_result[0]:.0f}"
         reason = (f"measured {self.stamp} on {self.gpu} ({self.versions}): bf16 {shape}, "
                   + ", ".join(f"{lab} {r:.0f}" for lab, r in rates.items())
                   + f" TFLOP/s, geo-mean {score:.0f}{versus}")

@@ -2,7 +2,7 @@
 
     python benchmarks/tune_triton_fwd.py --quick        # D=128, S=4096, coordinate descent
                                                         # and coupled pairs
-    python benchmarks/tune_triton_fwd.py                # D 64/128/256 x S 1k/4k/16k, exhaustive
+    python benchmarks/tune_triton_fwd.py                # D 64/128/192/256 x S 1k/4k/16k, exhaustive
     python benchmarks/tune_triton_fwd.py --head-dims 128 --seqlens 4096 16384 --out /tmp/t.json
 
 For each (head dim, sequence length) it times candidates of ``_triton_fwd.FwdTiles`` on a causal
@@ -24,7 +24,7 @@ from reference import attention_reference, relative_error
 
 # head dim -> the (query, kv) heads of the timed shapes; a config is scored by the geo-mean over
 # all of them, so one entry per bucket serves MHA and GQA alike (as in tune_triton_bwd.py).
-HEADS = {64: ((32, 32),), 128: ((16, 16), (32, 8)), 256: ((8, 8),)}
+HEADS = {64: ((32, 32),), 128: ((16, 16), (32, 8)), 192: ((16, 16),), 256: ((8, 8),)}
 # Candidate values per FwdTiles field, for sm90 (every value also compiles for sm80). D=128:
 # the 128 x 64 x 8 warps x 3 stages default reached 456-472 TFLOP/s; 128 x 128 spills. On sm90+
 # ``tma`` is searched first (ptxas: 248 -> 200 registers at D=128, which changes the best tiles);
@@ -33,6 +33,9 @@ SPACE = {
     64: dict(block_m=(64, 128), block_n=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4)),
     128: dict(block_m=(64, 128), block_n=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4)),
     256: dict(block_m=(64, 128), block_n=(32, 64), num_warps=(4, 8), num_stages=(1, 2)),
+    # split into 128 + 64 columns on sm90+ (its own bucket, 192): 147 KB at 128 x 64 x 2
+    # stages, so a third stage or 128 keys may fit where D=256's tiles do not
+    192: dict(block_m=(64, 128), block_n=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3)),
 }
 # Fields the quick search also varies together (``_tune_common.search``): the warps split the
 # query tile, and the key tile sets how many stages fit in shared memory.
@@ -70,7 +73,9 @@ def main() -> int:
 
     for head_dim in args.head_dims:
         shapes = args.heads or HEADS.get(head_dim, ((16, 16),))
-        block_d = tuning.block_d_for(head_dim)
+        # the columns the kernel runs on this GPU: D=192 split on sm90+ keys a bucket of its own
+        block_d = fwd.tile_width(head_dim, torch.device("cuda"))
+        padded = tuning.block_d_for(head_dim)
         torch.manual_seed(0)
         check = Problem(fwd, attn_params, 1, CHECK_SEQLEN, shapes[-1], head_dim, True)
         ref, _ = attention_reference(check.q, check.k, check.v, causal=True)
@@ -96,14 +101,20 @@ def main() -> int:
             tag = f"D={head_dim} S={seqlen}"
             score, results = session.scorer(correct, workloads, tag)
 
-            default = fwd.TABLE.default(arch, head_dim)
+            default, default_label = fwd.TABLE.default(arch, head_dim), "table default"
+            if block_d != padded:
+                # start from what the split ran before it had entries: the padded bucket's
+                default = fwd.TABLE.lookup(arch, session.gpu, padded,
+                                           tuning.seqlen_bucket(seqlen))
+                default_label = f"D={padded} entry"
             space = {**tc.hopper_fields("tma"), **tc.blackwell_fields("warp_specialize"),
                      **SPACE.get(block_d, SPACE[128])}
             best = tc.search(default, tc.narrow(space, args.space), score, args.quick, PAIRS)
             session.record(block_d=block_d, seqlen=seqlen,
                            shape=f"B={batch} S={seqlen} H={','.join(f'{a}/{b}' for a, b in shapes)} "
                                  f"D={head_dim}", best=best,
-                           default=default, results=results, tag=tag)
+                           default=default, results=results, tag=tag,
+                           default_label=default_label)
     return session.finish(args.out)
 
 

@@ -60,6 +60,35 @@ def test_lookup_order(tuning, tmp_path):
     assert table.lookup("sm90", "", 128, 1024).reason == "default"
 
 
+def test_lookup_of_a_narrower_width(tuning, tmp_path):
+    """A kernel running a head dim narrower than its padded bucket (the forward's split: D=192
+    runs 192 columns) takes its width's entries first, then the padded bucket's, then the
+    padded default."""
+    path = tmp_path / "t.json"
+    entries = [tuning.entry_of(Tiles(64, 32, True, "w192"), gpu="G", block_d=192, bucket=16384),
+               tuning.entry_of(Tiles(128, 64, True, "p256"), gpu="G", block_d=256, bucket=4096)]
+    tuning.write_entries(path, "forward", entries)
+    defaults = {("sm90", 256): Tiles(16, 16, False, "default256")}
+    table = tuning.TileTable("forward", path, defaults, Tiles)
+    assert table.lookup("sm90", "G", 256, 16384, 192).reason == "w192"
+    assert table.lookup("sm90", "G", 256, 4096, 192).reason == "w192"  # its nearest bucket
+    assert table.lookup("sm90", "G", 256, 4096, 160).reason == "p256"  # 160: none of its own
+    assert table.lookup("sm90", "G", 256, 4096).reason == "p256"
+    assert table.lookup("sm90", "other GPU", 256, 4096, 192).reason == "default256"
+    assert [tuning.split_width(d) for d in (192, 160, 136, 96, 128, 256)] == \
+        [192, 160, 144, 128, 128, 256]
+
+
+def test_forward_tile_width(monkeypatch):
+    """The forward keys its tiles by the width it runs: split (sm90+, the interpreter) or
+    padded (``SPLIT_HEAD_DIM`` off, as on sm80)."""
+    fwd = submodule(source_package(), "_triton_fwd")
+    cpu = torch.device("cpu")
+    assert fwd.tile_width(192, cpu) == 192 and fwd.tile_width(128, cpu) == 128
+    monkeypatch.setattr(fwd, "SPLIT_HEAD_DIM", False)
+    assert fwd.tile_width(192, cpu) == 256
+
+
 def test_write_merges_and_parse_skips_unknown_fields(tuning, tmp_path):
     path = tmp_path / "t.json"
     tuning.write_entries(path, "backward", [
@@ -91,8 +120,10 @@ def test_shipped_tables_and_files(tuning, kernel_module):
         raw = json.loads(table.path.read_text())
         assert raw["kernel"] == table.kernel
         assert len(tuning.parse_entries(raw, table.config_type)) == len(raw["entries"])
+        # a padded bucket, or the width of a split head dim (the forward's 192)
+        widths = {*tuning.HEAD_DIM_BUCKETS, *(tuning.split_width(d) for d in range(8, 257, 8))}
         for entry in raw["entries"]:
-            assert entry["block_d"] in tuning.HEAD_DIM_BUCKETS
+            assert entry["block_d"] in widths, entry
             assert entry["seqlen_bucket"] in tuning.SEQLEN_BUCKETS
             assert entry["reason"].startswith("measured"), entry
 

@@ -50,7 +50,8 @@ loads Q, K, V in both, adds the second score product into the first (``tl.dot(q2
 qk)``, the padded product's K-chunk order: the H200's outputs were bitwise equal to the
 padded tiles' in all eight workloads measured), keeps one output accumulator per tile and
 stores both. The second tile's descriptors start HEAD_DIM - HEAD_DIM2 columns into the row, a
-multiple of 16 elements, so 16-byte aligned. Tile sizes stay those of the padded bucket.
+multiple of 16 elements, so 16-byte aligned. Its tiles are tuned under the width it runs
+(``tile_width``: 192), falling back to the padded bucket's (256) where a GPU has no such entry.
 - Only padded widths from ``SPLIT_MIN_PADDED`` (256) split. The H200 measured D=192 +8% (full
   masks, 4k and 16k; causal 4k level, 16k +6%) and D=160 +9-13%, but D=80 and D=96 (64 + 16,
   64 + 32 out of 128-wide tiles) 14-20% slower.
@@ -77,7 +78,7 @@ from ._params import AttnParams
 from ._triton_common import (LOG2E, LaunchShape, dropout_keep, dropout_row_hash,
                              key_block_range, load_rows, load_rows_t, rows_source, scores_log2,
                              sequence_bounds, shared_arguments, store_rows, use_tma, visible)
-from ._tuning import HEAD_DIM_BUCKETS, TileTable, head_dim_split
+from ._tuning import HEAD_DIM_BUCKETS, TileTable, block_d_for, head_dim_split, split_width
 
 
 @triton.jit
@@ -304,9 +305,23 @@ CONFIG_FILE = Path(__file__).with_name("triton_fwd_configs.json")
 TABLE = TileTable("forward", CONFIG_FILE, TILES, FwdTiles)
 
 
+def splits_head_dim(device: torch.device) -> bool:
+    """Whether head dims are split on ``device`` ([Note: split head dim]: sm90+ and the
+    interpreter; sm80 keeps the padded tiles)."""
+    return SPLIT_HEAD_DIM and not (device.type == "cuda"
+                                   and torch.cuda.get_device_capability(device)[0] < 9)
+
+
+def tile_width(head_dim: int, device: torch.device) -> int:
+    """The columns the kernel runs for ``head_dim`` on ``device``, which keys its tuning entries
+    (D=192: 192 where split, else 256)."""
+    return split_width(head_dim) if splits_head_dim(device) else block_d_for(head_dim)
+
+
 def tile_config(head_dim: int, device: torch.device, seqlen: int) -> FwdTiles:
-    """The tiles of a call: measured for this GPU if the tuning file has them, else the table."""
-    return TABLE.for_call(device, head_dim, seqlen)
+    """The tiles of a call: measured for this GPU if the tuning file has them (the entries of
+    the split width first, then the padded one's), else the table."""
+    return TABLE.for_call(device, head_dim, seqlen, tile_width(head_dim, device))
 
 
 def forward(q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slopes,
@@ -329,7 +344,7 @@ def forward(q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slope
         return
     cfg = tiles or tile_config(shape.head_dim, q.device, shape.longest)
     scalars, flags = shared_arguments(shape, params, alibi_slopes)
-    if SPLIT_HEAD_DIM and not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 9):
+    if splits_head_dim(q.device):
         # [Note: split head dim]
         flags["BLOCK_D"], head_dim2, block_d2 = head_dim_split(shape.head_dim)
     else:

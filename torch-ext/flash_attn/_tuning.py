@@ -19,8 +19,10 @@ defaults, so a file written before a field existed stays valid)::
                   "reason": "measured 2026-12-02 ..."}]}
 
 Lookup for a call (head dim, longer of max_seqlen_q / max_seqlen_k, device): the file's entry
-for (gpu, block_d, bucket); else the file's entry for (gpu, block_d) at the nearest bucket it
-holds; else ``defaults[(arch, block_d)]``. The file is read once per process and each lookup
+for (gpu, width, bucket); else the file's entry for (gpu, width) at the nearest bucket it
+holds; else the same two for the padded width ``block_d`` when the kernel runs the head dim
+narrower (the forward's split, [Note: split head dim]: D=192 runs 128 + 64 columns, width 192,
+and falls back to the 256 entries until 192 has its own); else ``defaults[(arch, block_d)]``. The file is read once per process and each lookup
 is cached, so a call costs two dictionary hits; nothing is timed at import or on a first call.
 """
 
@@ -70,6 +72,13 @@ def head_dim_split(head_dim: int) -> tuple[int, int, int]:
     if padded >= SPLIT_MIN_PADDED and rest > 0 and first + block_d_for(rest) < padded:
         return first, rest, block_d_for(rest)
     return padded, 0, 0
+
+
+def split_width(head_dim: int) -> int:
+    """The columns the split tiles of ``head_dim_split`` cover (``BLOCK_D + BLOCK_D2``; the
+    padded width when unsplit), which keys their tuning entries."""
+    first, _, second = head_dim_split(head_dim)
+    return first + second
 
 
 def seqlen_bucket(seqlen: int) -> int:
@@ -147,21 +156,24 @@ class TileTable:
         return self.defaults[(arch, block_d_for(head_dim))]
 
     @functools.cache
-    def lookup(self, arch: str, gpu: str, block_d: int, bucket: int):
-        """The config for one key (see the module docstring for the order), cached."""
+    def lookup(self, arch: str, gpu: str, block_d: int, bucket: int, width: int | None = None):
+        """The config for one key (see the module docstring for the order), cached. ``width``:
+        the columns the kernel runs when narrower than ``block_d`` (its own entries first)."""
         measured = self.measured()
-        if gpu and (gpu, block_d, bucket) in measured:
-            return measured[(gpu, block_d, bucket)]
-        near = [b for g, d, b in measured if g == gpu and d == block_d] if gpu else []
-        if near:
-            # Nearest bucket on a log scale; on a tie the longer one (the tuner's default).
-            nearest = min(near, key=lambda b: (abs(math.log2(b / bucket)), -b))
-            return measured[(gpu, block_d, nearest)]
+        for d in dict.fromkeys((width or block_d, block_d)):
+            if gpu and (gpu, d, bucket) in measured:
+                return measured[(gpu, d, bucket)]
+            near = [b for g, dd, b in measured if g == gpu and dd == d] if gpu else []
+            if near:
+                # Nearest bucket on a log scale; on a tie the longer one (the tuner's default).
+                nearest = min(near, key=lambda b: (abs(math.log2(b / bucket)), -b))
+                return measured[(gpu, d, nearest)]
         return self.defaults[(arch, block_d)]
 
-    def for_call(self, device: torch.device, head_dim: int, seqlen: int):
+    def for_call(self, device: torch.device, head_dim: int, seqlen: int,
+                 width: int | None = None):
         arch, gpu = device_identity(device)
-        return self.lookup(arch, gpu, block_d_for(head_dim), seqlen_bucket(seqlen))
+        return self.lookup(arch, gpu, block_d_for(head_dim), seqlen_bucket(seqlen), width)
 
 
 def write_entries(path: Path, kernel: str, new_entries: list[dict]) -> list[dict]:
