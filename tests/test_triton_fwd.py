@@ -656,6 +656,9 @@ GPU_CASES = {
     # the longest sequence-length bucket of the tuning file (its own tiles on a tuned GPU)
     "d128_s4500_gqa": dict(batch=1, seqlen_q=4500, seqlen_k=4500, heads_q=8, heads_kv=2,
                            head_dim=128),
+    # a split head dim (128 + 64 on sm90+) on its own width's tiles where the GPU has them
+    "d192_s3000_gqa_causal": dict(batch=1, seqlen_q=3000, seqlen_k=3000, heads_q=8, heads_kv=2,
+                                  head_dim=192, causal=True),
 }
 
 
