@@ -8,8 +8,11 @@ Search: ``--quick`` walks the fields one at a time from the table's default (coo
 each field takes its best value before the next is tried, so the cost is the sum of the value
 counts, not their product), then tries every combination of each pair of fields a script names
 as coupled (warps with the tile they split: one alone can lose where both together win; the
-H200's 4-warp, 64-key dK/dV tiles were missed that way), and, unless told otherwise, tunes only
-D=128 at S=4096, the anchor configuration. Without ``--quick`` every combination of the
+H200's 4-warp, 64-key dK/dV tiles were missed that way). It repeats both passes from the new
+best until a round changes nothing (at most ``QUICK_ROUNDS``): a field settled early is tried
+again once the others have moved (the D=192 forward's first round settled ``tma`` at 2 stages
+and kept it at 3 stages untimed). Timed configs are cached, so a repeat costs only the new
+neighbours. Unless told otherwise it tunes only D=128 at S=4096, the anchor configuration. Without ``--quick`` every combination of the
 candidate values is timed.
 
 Timing: ``triton.testing.do_bench`` median after warm-up, bf16, fresh random inputs, 16k tokens
@@ -109,10 +112,14 @@ def candidates(base, space: dict[str, tuple]) -> list:
             for values in itertools.product(*space.values())]
 
 
+QUICK_ROUNDS = 3  # rounds of the quick search at most (see the module docstring)
+
+
 def search(base, space: dict[str, tuple], score: Callable, quick: bool,
            pairs: tuple[tuple[str, str], ...] = ()):
     """The best-scoring config: coordinate descent from ``base`` when ``quick`` followed by every
-    combination of each coupled pair in ``pairs`` (fields of ``space`` only), else exhaustive.
+    combination of each coupled pair in ``pairs`` (fields of ``space`` only), repeated from the
+    new best until a round changes nothing (``QUICK_ROUNDS`` at most), else exhaustive.
     ``score(config)`` returns a number or None (failed); ``base`` wins when nothing runs."""
     scored = {}
 
@@ -129,11 +136,15 @@ def search(base, space: dict[str, tuple], score: Callable, quick: bool,
 
     best = base
     if quick:
-        for field, values in space.items():
-            best = best_of(best, [dataclasses.replace(best, **{field: v}) for v in values])
-        for pair in pairs:
-            if all(field in space for field in pair):
-                best = best_of(best, candidates(best, {field: space[field] for field in pair}))
+        for _ in range(QUICK_ROUNDS):
+            start = best
+            for field, values in space.items():
+                best = best_of(best, [dataclasses.replace(best, **{field: v}) for v in values])
+            for pair in pairs:
+                if all(field in space for field in pair):
+                    best = best_of(best, candidates(best, {field: space[field] for field in pair}))
+            if best is start:
+                break
         return best
     results = [(value(c), c) for c in [base, *candidates(base, space)]]
     results = [(s, c) for s, c in results if s is not None]

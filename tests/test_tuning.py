@@ -158,7 +158,9 @@ def test_search_quick_and_exhaustive():
     base = Tiles(16, 16, False, "table")
     quick = tc.search(base, space, score, quick=True)
     assert dataclasses.replace(quick, reason="") == best_at and quick.reason == "table"
-    assert len(calls) == 1 + 2 + 1 + 1  # base, then each field's other values, cached
+    # base, each field's other values (cached), then the second round's new neighbours of
+    # (32, 32, True): block_m 16 and 64, block_n 16; it changes nothing, so the search stops
+    assert len(calls) == 1 + 2 + 1 + 1 + 3
     calls.clear()
     full = tc.search(base, space, score, quick=False)
     assert dataclasses.replace(full, reason="") == best_at
@@ -184,6 +186,24 @@ def test_search_quick_tries_coupled_pairs():
     narrowed = tc.search(base, dict(block_m=(16, 32)), score, quick=True,
                          pairs=(("block_m", "block_n"),))
     assert (narrowed.block_m, narrowed.block_n) == (16, 16)  # block_n is not in the space
+
+
+def test_search_quick_revisits_a_field_settled_early():
+    """A field that lost at the base's other values wins once a later field has moved: the
+    quick search's next round tries it again (the D=192 forward's descriptors, settled at 2
+    stages and never timed at 3)."""
+    tc = _tune_common()
+    space = dict(tma=(False, True), block_n=(16, 32))
+
+    def score(config):  # tma helps only with 32-key tiles
+        return {(False, 16): 5, (True, 16): 4, (False, 32): 6, (True, 32): 8}[
+            (config.tma, config.block_n)]
+
+    best = tc.search(Tiles(16, 16, False, "table"), space, score, quick=True)
+    assert (best.tma, best.block_n) == (True, 32)
+    rounds = []
+    one = tc.search(Tiles(16, 16, False), space, lambda c: rounds.append(c) or 1.0, quick=True)
+    assert one.block_n == 16 and len(rounds) == 3  # nothing moved: one round only
 
 
 def test_head_shape_workloads_label_and_count_each_shape():
