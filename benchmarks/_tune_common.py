@@ -12,8 +12,8 @@ H200's 4-warp, 64-key dK/dV tiles were missed that way). It repeats both passes 
 best until a round changes nothing (at most ``QUICK_ROUNDS``): a field settled early is tried
 again once the others have moved (the D=192 forward's first round settled ``tma`` at 2 stages
 and kept it at 3 stages untimed). Timed configs are cached, so a repeat costs only the new
-neighbours. Unless told otherwise it tunes only D=128 at S=4096, the anchor configuration. Without ``--quick`` every combination of the
-candidate values is timed.
+neighbours. Unless told otherwise it tunes only D=128 at S=4096, the anchor configuration.
+Without ``--quick`` every combination of the candidate values is timed.
 
 Timing: ``triton.testing.do_bench`` median after warm-up, bf16, fresh random inputs, 16k tokens
 per batch (ANCHORS.md). A candidate's score is the geometric mean of its TFLOP/s over the

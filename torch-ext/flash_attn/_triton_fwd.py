@@ -68,6 +68,7 @@ int64; in-tile offsets stay int32, so tensors beyond 2**31 elements address corr
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import torch
@@ -305,11 +306,20 @@ CONFIG_FILE = Path(__file__).with_name("triton_fwd_configs.json")
 TABLE = TileTable("forward", CONFIG_FILE, TILES, FwdTiles)
 
 
+@functools.cache
+def _hopper_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def splits_head_dim(device: torch.device) -> bool:
     """Whether head dims are split on ``device`` ([Note: split head dim]: sm90+ and the
-    interpreter; sm80 keeps the padded tiles)."""
-    return SPLIT_HEAD_DIM and not (device.type == "cuda"
-                                   and torch.cuda.get_device_capability(device)[0] < 9)
+    interpreter; sm80 keeps the padded tiles). Cached per GPU, like the tile lookup."""
+    if not SPLIT_HEAD_DIM:
+        return False
+    if device.type != "cuda":
+        return True
+    return _hopper_or_later(device.index if device.index is not None
+                            else torch.cuda.current_device())
 
 
 def tile_width(head_dim: int, device: torch.device) -> int:

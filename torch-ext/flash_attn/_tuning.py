@@ -21,9 +21,10 @@ defaults, so a file written before a field existed stays valid)::
 Lookup for a call (head dim, longer of max_seqlen_q / max_seqlen_k, device): the file's entry
 for (gpu, width, bucket); else the file's entry for (gpu, width) at the nearest bucket it
 holds; else the same two for the padded width ``block_d`` when the kernel runs the head dim
-narrower (the forward's split, [Note: split head dim]: D=192 runs 128 + 64 columns, width 192,
-and falls back to the 256 entries until 192 has its own); else ``defaults[(arch, block_d)]``. The file is read once per process and each lookup
-is cached, so a call costs two dictionary hits; nothing is timed at import or on a first call.
+narrower (the forward's split, [Note: split head dim]: D=192 runs 128 + 64 columns, width
+192, and falls back to the 256 entries until 192 has its own); else
+``defaults[(arch, block_d)]``. The file is read once per process and each lookup is cached, so
+a call costs two dictionary hits; nothing is timed at import or on a first call.
 """
 
 from __future__ import annotations
