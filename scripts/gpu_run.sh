@@ -3,7 +3,10 @@
 # tests, benchmark against the peers, publish to an embedded Hub and load it
 # back, and train. Phases run in the order given (default: all but train):
 #
-#   bash scripts/gpu_run.sh [setup] [build] [cudafwd] [cudabwd] [sanitize] [test] [tune] [ktimes] [profile] [bench] [hub] [train]
+#   bash scripts/gpu_run.sh [setup] [build] [ab] [cudafwd] [cudabwd] [sanitize] [test] [tune] [ktimes] [profile] [bench] [hub] [train]
+#
+# ab builds the tree and the tree with AB_PATCH applied, and times both (see the phase); the
+# phases after it test the patched build.
 #
 # train loads ours from the embedded Hub that hub publishes to, so hub goes before it.
 #
@@ -40,6 +43,7 @@ run_phase() {
     log "phase $name FAILED ($((SECONDS - start)) s); tail of $name.log:"
     tail -n 40 "$OUT/$name.log"
     status=1
+    return 1
   fi
 }
 
@@ -59,6 +63,41 @@ for phase in "${phases[@]}"; do
       run_phase build python3 -m flash_attn_hub build --backend cuda
       variant=$(tail -n 1 "$OUT/build.log")  # build prints the variant path last
       [[ -n $variant ]] && run_phase check python3 -m flash_attn_hub check "$variant"
+      ;;
+    ab)
+      # A CUDA change against the tree, both built on this machine: the tree's build moves to
+      # $AB_BASE_DIR/build, AB_PATCH (a diff from the repository root, e.g. `git diff main
+      # my-branch`) is applied and built into build/, and scripts/kernel_times.py times each
+      # KT_ARGS workload (";"-separated) in separate processes, patched then base, AB_REPS
+      # rounds, into ab.log; scripts/ab_table.py prints the table. The tree stays patched, so
+      # later phases (cudabwd, sanitize) test the patched build.
+      if [[ -z ${AB_PATCH:-} || ! -f ${AB_PATCH:-} ]]; then
+        log "phase ab FAILED: AB_PATCH names no file"; status=1; continue
+      fi
+      ab_base=${AB_BASE_DIR:-/tmp/ab-base}
+      run_phase ab-build-base python3 -m flash_attn_hub build --backend cuda || continue
+      rm -rf "$ab_base" && mkdir -p "$ab_base" && mv build "$ab_base/build"
+      # git apply works outside a repository; patch(1) where git is missing
+      apply=(patch -p1 -i "$AB_PATCH")
+      command -v git >/dev/null && apply=(git apply "$AB_PATCH")
+      run_phase ab-apply "${apply[@]}" || continue
+      # a patch to generate.py's tables may leave out the headers it generates
+      run_phase ab-generate python3 csrc/hopper/generate.py || continue
+      run_phase ab-build-exp python3 -m flash_attn_hub build --backend cuda || continue
+      IFS=';' read -ra kt_sets <<< "${KT_ARGS:-}"
+      [[ ${#kt_sets[@]} -eq 0 ]] && kt_sets=("")
+      for rep in $(seq "${AB_REPS:-2}"); do
+        for args in "${kt_sets[@]}"; do
+          for side in exp base; do
+            dir=build; [[ $side == base ]] && dir=$ab_base/build
+            echo "== $side rep$rep: $args" >>"$OUT/ab.log"
+            # shellcheck disable=SC2086
+            timeout 300 python3 scripts/kernel_times.py --kernel-dir "$dir" --iters 10 $args \
+              >>"$OUT/ab.log" 2>&1 || { log "kernel_times failed ($side): $args"; status=1; }
+          done
+        done
+      done
+      python3 scripts/ab_table.py "$OUT/ab.log" | tee "$OUT/ab-table.md" || status=1
       ;;
     cudafwd)
       # The sm90 forward called directly, every feature against the float64 reference.
