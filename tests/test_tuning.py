@@ -75,8 +75,6 @@ def test_lookup_of_a_narrower_width(tuning, tmp_path):
     assert table.lookup("sm90", "G", 256, 4096, 160).reason == "p256"  # 160: none of its own
     assert table.lookup("sm90", "G", 256, 4096).reason == "p256"
     assert table.lookup("sm90", "other GPU", 256, 4096, 192).reason == "default256"
-    assert [tuning.split_width(d) for d in (192, 160, 136, 96, 128, 256)] == \
-        [192, 160, 144, 128, 128, 256]
 
 
 def test_forward_tile_width(monkeypatch):
@@ -84,9 +82,11 @@ def test_forward_tile_width(monkeypatch):
     padded (``SPLIT_HEAD_DIM`` off, as on sm80)."""
     fwd = submodule(source_package(), "_triton_fwd")
     cpu = torch.device("cpu")
-    assert fwd.tile_width(192, cpu) == 192 and fwd.tile_width(128, cpu) == 128
+    assert [fwd.tile_width(d, cpu) for d in (192, 160, 136, 96, 128, 256)] == \
+        [192, 160, 144, 128, 128, 256]
+    assert fwd.split_tiles(192, cpu) == (128, 64, 64)
     monkeypatch.setattr(fwd, "SPLIT_HEAD_DIM", False)
-    assert fwd.tile_width(192, cpu) == 256
+    assert fwd.tile_width(192, cpu) == 256 and fwd.split_tiles(192, cpu) == (256, 0, 0)
 
 
 def test_write_merges_and_parse_skips_unknown_fields(tuning, tmp_path):
@@ -121,7 +121,8 @@ def test_shipped_tables_and_files(tuning, kernel_module):
         assert raw["kernel"] == table.kernel
         assert len(tuning.parse_entries(raw, table.config_type)) == len(raw["entries"])
         # a padded bucket, or the width of a split head dim (the forward's 192)
-        widths = {*tuning.HEAD_DIM_BUCKETS, *(tuning.split_width(d) for d in range(8, 257, 8))}
+        widths = {*tuning.HEAD_DIM_BUCKETS,
+                  *(sum(tuning.head_dim_split(d)[::2]) for d in range(8, 257, 8))}
         for entry in raw["entries"]:
             assert entry["block_d"] in widths, entry
             assert entry["seqlen_bucket"] in tuning.SEQLEN_BUCKETS

@@ -79,7 +79,7 @@ from ._params import AttnParams
 from ._triton_common import (LOG2E, LaunchShape, dropout_keep, dropout_row_hash,
                              key_block_range, load_rows, load_rows_t, rows_source, scores_log2,
                              sequence_bounds, shared_arguments, store_rows, use_tma, visible)
-from ._tuning import HEAD_DIM_BUCKETS, TileTable, block_d_for, head_dim_split, split_width
+from ._tuning import HEAD_DIM_BUCKETS, TileTable, block_d_for, head_dim_split
 
 
 @triton.jit
@@ -322,10 +322,17 @@ def splits_head_dim(device: torch.device) -> bool:
                             else torch.cuda.current_device())
 
 
+def split_tiles(head_dim: int, device: torch.device) -> tuple[int, int, int]:
+    """``(BLOCK_D, HEAD_DIM2, BLOCK_D2)`` of ``head_dim`` on ``device``: ``head_dim_split``'s
+    where the split applies, else the padded tile and no second one."""
+    return head_dim_split(head_dim) if splits_head_dim(device) else (block_d_for(head_dim), 0, 0)
+
+
 def tile_width(head_dim: int, device: torch.device) -> int:
     """The columns the kernel runs for ``head_dim`` on ``device``, which keys its tuning entries
     (D=192: 192 where split, else 256)."""
-    return split_width(head_dim) if splits_head_dim(device) else block_d_for(head_dim)
+    block_d, _, block_d2 = split_tiles(head_dim, device)
+    return block_d + block_d2
 
 
 def tile_config(head_dim: int, device: torch.device, seqlen: int) -> FwdTiles:
@@ -354,11 +361,7 @@ def forward(q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slope
         return
     cfg = tiles or tile_config(shape.head_dim, q.device, shape.longest)
     scalars, flags = shared_arguments(shape, params, alibi_slopes)
-    if splits_head_dim(q.device):
-        # [Note: split head dim]
-        flags["BLOCK_D"], head_dim2, block_d2 = head_dim_split(shape.head_dim)
-    else:
-        head_dim2 = block_d2 = 0
+    flags["BLOCK_D"], head_dim2, block_d2 = split_tiles(shape.head_dim, q.device)
     grid = (triton.cdiv(shape.max_seqlen_q, cfg.block_m), shape.heads_q, shape.batch)
     _attn_fwd_kernel[grid](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slopes,

@@ -75,13 +75,6 @@ def head_dim_split(head_dim: int) -> tuple[int, int, int]:
     return padded, 0, 0
 
 
-def split_width(head_dim: int) -> int:
-    """The columns the split tiles of ``head_dim_split`` cover (``BLOCK_D + BLOCK_D2``; the
-    padded width when unsplit), which keys their tuning entries."""
-    first, _, second = head_dim_split(head_dim)
-    return first + second
-
-
 def seqlen_bucket(seqlen: int) -> int:
     """The smallest bucket bound ``>= seqlen``; longer sequences fall into the last bucket."""
     return next((b for b in SEQLEN_BUCKETS if seqlen <= b), SEQLEN_BUCKETS[-1])
