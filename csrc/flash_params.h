@@ -64,14 +64,19 @@ enum class FwdStatus : int {
 //
 // [Note] Backward workspaces
 // lse2, delta and dq_acc are indexed by a padded row: every sequence starts on a multiple of
-// kBlockM (64) rows and owns whole 64-row blocks, so one step of the main kernel reads one
-// aligned 256-byte run of lse2 and of delta. Batched: row (b * Hq + h) * ws_rows + i with
-// ws_rows = Sq rounded up to 64. Varlen: row h * ws_rows + start_b + i with
-// start_b = (cu_seqlens_q[b] + 64 * b) / 64 * 64 and ws_rows = Tq + 64 * B rounded up to 64.
+// kBwdWorkspaceAlign (128, the largest kBlockM of a main kernel) rows and owns whole 128-row
+// blocks, so one step of the main kernel (64 or 128 query rows) reads one aligned run of lse2
+// and of delta and never reaches another sequence's rows. Batched: row (b * Hq + h) * ws_rows + i
+// with ws_rows = Sq rounded up to 128. Varlen: row h * ws_rows + start_b + i with
+// start_b = (cu_seqlens_q[b] + 128 * b) / 128 * 128 and ws_rows = Tq + 128 * B rounded up to 128.
 // lse2 = lse * log2(e) (+inf where lse is -inf and on padding rows, so their P is 0); delta =
 // rowsum(dO * O) (0 on padding rows); dq_acc (ws rows x the compiled head dim, zeroed by the
-// preprocess, so the caller need not) sums dS K over all key blocks, each 64-row block in the kernel's fragment order
-// (csrc/hopper/bwd_kernel.h), and is scaled and cast into dq at the end.
+// preprocess, so the caller need not) sums dS K over all key blocks, each block of
+// kBwdWorkspaceBlock (64) rows in the kernel's fragment order (csrc/hopper/bwd_kernel.h), and is
+// scaled and cast into dq at the end. Deterministic mode's semaphores: one per 64-row block.
+constexpr int kBwdWorkspaceAlign = 128;
+constexpr int kBwdWorkspaceBlock = 64;
+
 struct FlashBwdParams {
   FlashParams fwd;
   const void* dout;

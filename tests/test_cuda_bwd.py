@@ -119,9 +119,10 @@ def test_head_dims_between_buckets(cuda_backend, attn_params, d):
                                    (239, 17), (640, 640)])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (17, 5), (0, 0), (64, -1)],
                          ids=["full", "causal", "band", "diag", "left"])
-def test_lengths_and_windows(cuda_backend, attn_params, sq, sk, window):
-    q, k, v = seeded_cuda_qkv(2, sq, sk, 3, 3, 128, seed=sq * 7 + sk)
-    params = backend_params(attn_params, 128, causal=window == (-1, 0), window=window, max_q=sq,
+@pytest.mark.parametrize("d", [64, 128])  # D=64 steps over 128 query rows, D=128 over 64
+def test_lengths_and_windows(cuda_backend, attn_params, sq, sk, window, d):
+    q, k, v = seeded_cuda_qkv(2, sq, sk, 3, 3, d, seed=sq * 7 + sk)
+    params = backend_params(attn_params, d, causal=window == (-1, 0), window=window, max_q=sq,
                             max_k=sk)
     _check(cuda_backend, q, k, v, params)
 
@@ -154,9 +155,10 @@ def test_sinks(cuda_backend, attn_params, sq, sk, causal):
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 4), (8, 2), (16, 2), (8, 1), (6, 3)],
                          ids=["mha", "gqa2", "gqa4", "gqa8", "mqa", "gqa_odd_heads"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gqa(cuda_backend, attn_params, hq, hkv, causal):
-    q, k, v = seeded_cuda_qkv(2, 200, 333, hq, hkv, 128, torch.float16, seed=hq + hkv)
-    _check(cuda_backend, q, k, v, backend_params(attn_params, 128, causal=causal, max_q=200,
+@pytest.mark.parametrize("d", [64, 128])
+def test_gqa(cuda_backend, attn_params, hq, hkv, causal, d):
+    q, k, v = seeded_cuda_qkv(2, 200, 333, hq, hkv, d, torch.float16, seed=hq + hkv)
+    _check(cuda_backend, q, k, v, backend_params(attn_params, d, causal=causal, max_q=200,
                                                  max_k=333))
 
 
@@ -308,22 +310,22 @@ def test_against_triton(cuda_backend, flash_attn, attn_params, causal):
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("case", ["gqa_causal", "mqa_band", "varlen_causal"])
-def test_deterministic_is_bitwise_reproducible(cuda_backend, attn_params, case):
+@pytest.mark.parametrize("d", [64, 128])
+def test_deterministic_is_bitwise_reproducible(cuda_backend, attn_params, case, d):
     """deterministic=True orders the dQ reductions: the gradients match the reference and two
     runs give identical bits."""
     torch.manual_seed(29)
     cu_q = cu_k = None
     if case == "varlen_causal":
         q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv([700, 1, 0, 1300], [900, 1, 5, 1300],
-                                                            8, 2, 128, device="cuda")
-        params = backend_params(attn_params, 128, causal=True, max_q=max_q, max_k=max_k,
-                         deterministic=True)
+                                                            8, 2, d, device="cuda")
+        params = backend_params(attn_params, d, causal=True, max_q=max_q, max_k=max_k,
+                                deterministic=True)
     else:
         hkv, window = (2, (-1, 0)) if case == "gqa_causal" else (1, (300, 100))
-        q, k, v = seeded_cuda_qkv(2, 1500, 1700, 8, hkv, 128, seed=31)
-        params = backend_params(attn_params, 128, causal=window == (-1, 0), window=window,
-                                max_q=1500,
-                         max_k=1700, deterministic=True)
+        q, k, v = seeded_cuda_qkv(2, 1500, 1700, 8, hkv, d, seed=31)
+        params = backend_params(attn_params, d, causal=window == (-1, 0), window=window,
+                                max_q=1500, max_k=1700, deterministic=True)
     _check(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k)  # right, first
     _assert_bitwise_reproducible(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k)
 
@@ -349,7 +351,7 @@ def test_no_query_head_sized_buffers(cuda_backend, attn_params):
                           params=params)
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
-    dq_acc = q.numel() * 4  # fp32, q's shape (Sq is a multiple of 64 here)
+    dq_acc = q.numel() * 4  # fp32, q's shape (Sq is a multiple of 128 here)
     rows = 2 * lse.numel() * 4  # lse2 and delta
     splits = cuda_backend.group_splits(q, k, params) if cuda_backend.GROUP_SPLIT else 1
     partial = 0 if splits == 1 else (2 * splits + 1) * k.numel() * 4  # + one split sum at a time
@@ -362,7 +364,7 @@ def test_no_query_head_sized_buffers(cuda_backend, attn_params):
 def test_small_all_features_once(cuda_backend, attn_params):
     """A short run of every backward code path, sized for compute-sanitizer: varlen with an
     empty sequence, GQA, a band window, softcap and sinks at a head dim between buckets; then
-    batched causal MQA with Sq != Sk."""
+    batched causal MQA with Sq != Sk; D=64's 128-row steps under varlen; the head-dim split."""
     torch.manual_seed(19)
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv([0, 33, 130], [5, 33, 200], 4, 2, 80,
                                                         device="cuda")
@@ -371,6 +373,13 @@ def test_small_all_features_once(cuda_backend, attn_params):
            s_aux=torch.randn(4, device="cuda"))
     q, k, v = seeded_cuda_qkv(2, 70, 150, 4, 1, 64, seed=23)
     _check(cuda_backend, q, k, v, backend_params(attn_params, 64, causal=True, max_q=70, max_k=150))
+    # 128-row steps ([Note] dQ by query rows): varlen sequences that end inside a 128-row
+    # block, next to each other in the workspaces, deterministic reductions
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv([70, 0, 200], [90, 3, 150], 4, 2, 64,
+                                                        device="cuda")
+    _check(cuda_backend, q, k, v, backend_params(attn_params, 64, window=(40, -1), max_q=max_q,
+                                                 max_k=max_k, deterministic=True),
+           cu_q=cu_q, cu_k=cu_k)
     # the head-dim split ([Note] Backward head-dim split): GQA, varlen, deterministic reductions
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv([0, 90, 1], [3, 130, 1], 4, 2, 256,
                                                         device="cuda")

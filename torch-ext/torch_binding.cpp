@@ -238,10 +238,11 @@ void hopper_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor ls
                       lse2.dim() == 1 && lse2.is_contiguous() && lse2.numel() % batch_rows == 0,
                   op, ": lse2 must be a contiguous float32 CUDA vector of whole workspace rows");
   const int64_t ws_rows = lse2.numel() / batch_rows;
-  const int64_t need = dims == 4 ? (int64_t(p.seqlen_q) + 63) / 64 * 64
-                                 : (int64_t(p.rows_q) + 64 * int64_t(p.batch) + 63) / 64 * 64;
-  STD_TORCH_CHECK(ws_rows >= need && ws_rows % 64 == 0, op, ": lse2 has ", ws_rows,
-                  " rows per head, needs a multiple of 64 of at least ", need);
+  constexpr int64_t align = flash::kBwdWorkspaceAlign;
+  const int64_t need = dims == 4 ? (int64_t(p.seqlen_q) + align - 1) / align * align
+                                 : (int64_t(p.rows_q) + align * p.batch + align - 1) / align * align;
+  STD_TORCH_CHECK(ws_rows >= need && ws_rows % align == 0, op, ": lse2 has ", ws_rows,
+                  " rows per head, needs a multiple of ", align, " of at least ", need);
   STD_TORCH_CHECK(delta.is_cuda() && delta.scalar_type() == ScalarType::Float &&
                       delta.is_contiguous() && delta.numel() == lse2.numel(),
                   op, ": delta must be a contiguous float32 CUDA vector like lse2");
@@ -278,9 +279,10 @@ void hopper_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor ls
   if (dq_semaphore.has_value()) {
     const Tensor& sem = *dq_semaphore;
     STD_TORCH_CHECK(sem.is_cuda() && sem.scalar_type() == ScalarType::Int &&
-                        sem.is_contiguous() && sem.numel() * 64 == lse2.numel(),
-                    op, ": dq_semaphore must be a contiguous int32 CUDA vector, one per 64 "
-                    "workspace rows");
+                        sem.is_contiguous() &&
+                        sem.numel() * flash::kBwdWorkspaceBlock == lse2.numel(),
+                    op, ": dq_semaphore must be a contiguous int32 CUDA vector, one per ",
+                    flash::kBwdWorkspaceBlock, " workspace rows");
     b.dq_semaphore = static_cast<int*>(sem.mutable_data_ptr());
   }
   // [Note] Backward group split in csrc/flash_params.h

@@ -25,8 +25,9 @@
 //   dV += P^T dO       RS GEMM, issued as soon as P^T is in registers
 //   dS^T = P^T * (dP^T - delta)          (softcap: times 1 - t^2)
 //   dK += dS^T Q       RS GEMM
-//   dS^T -> the CTA's shared dS tile; dQ (this consumer's half of the columns) = dS K over all
-//   kBlockN keys; the fp32 dQ tile -> shared memory, handed to the dQ warp
+//   dS^T -> the CTA's shared dS tile; dQ (this consumer's half of the columns, or of the rows:
+//   [Note] dQ by query rows in bwd_traits.h) = dS K over all kBlockN keys; the fp32 dQ tile ->
+//   shared memory, handed to the dQ warp
 // The softmax scale (and the softcap chain rule's scale) is applied once: to dK in the epilogue
 // and to dQ in the cast kernel.
 //
@@ -37,8 +38,8 @@
 //
 // [Note] dQ through shared memory
 // Per step both consumers store their 64 rows of dS^T into the one dS tile and meet at
-// kDsBarrier (256 threads); each then computes half of the dQ tile's columns over all kBlockN
-// keys, stores it into the fp32 dQ tile and arrives (without waiting) at kDqFullBarrier. The dQ
+// kDsBarrier (256 threads); each then computes half of the dQ tile (its columns, or its rows at
+// 128 query rows per step) over all kBlockN keys, stores it into the fp32 dQ tile and arrives (without waiting) at kDqFullBarrier. The dQ
 // warp waits there (256 + 32 threads), one lane issues the bulk reduce-add of the whole tile into
 // dq_acc and waits until it has read the tile (bulk_wait_read), and the warp arrives at
 // kDqEmptyBarrier. Consumers wait at kDqEmptyBarrier before they write the next step's dS^T:
@@ -244,7 +245,7 @@ __device__ __forceinline__ void bwd_dq_warp(const FlashBwdParams& p, const SeqIn
       const int head = head0 + j / m_count;
       const int q_lo = (m_min + j % m_count) * M;
       const int64_t ws_row = workspace_row(p, batch, head) + q_lo;
-      int* turn = p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + ws_row / M;
+      int* turn = p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + ws_row / kWorkspaceRows;
       int rank = 0;
       if (turn != nullptr) {
         int n_first, n_end;
@@ -278,7 +279,7 @@ __device__ __forceinline__ void bwd_dq_from_registers(const FlashBwdParams& p, c
                                                       const Frag& dq, int wg, int tid) {
   constexpr int M = Traits::kBlockM, kGroups = Traits::kDqCols / 8;
   const int64_t ws_row = workspace_row(p, batch, head) + q_lo;
-  int* turn = p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + ws_row / M;
+  int* turn = p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + ws_row / kWorkspaceRows;
   int rank = 0;
   if (turn != nullptr) {
     if (tid == 0) {
@@ -443,10 +444,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   static_assert(decltype(size<0, 2>(tSrS))::value == M / 8, "accumulator layout ((2,2,M/8),1,1)");
   if constexpr (kSplit) smem_ds += wg * (Traits::kTileBytesDs / int(sizeof(Element)));
   Tensor sDs = make_tensor(make_smem_ptr(smem_ds), typename Traits::SmemLayoutDs{});
-  Tensor tQrDs = thr_dq.partition_fragment_A(sDs);  // (MMA, 1, N/16)
-  Tensor tQrK = thr_dq.partition_fragment_B(
-      local_tile(sKt(_, _, 0), Shape<Int<Traits::kDqCols>, Int<N>>{}, make_coord(wg, 0)));
-  Tensor tQrDq = partition_fragment_C(mma_dq, Shape<Int<M>, Int<Traits::kDqCols>>{});
+  // this consumer's dQ GEMM: its rows of dS and all of K's columns, or all rows and its half of
+  // the columns ([Note] dQ by query rows in bwd_traits.h)
+  constexpr bool kDqByRows = Traits::kDqByRows;
+  constexpr int kDqRows = Traits::kDqRows, kDqCols = Traits::kDqCols;
+  Tensor tQrDs = thr_dq.partition_fragment_A(local_tile(
+      sDs, Shape<Int<kDqRows>, Int<N>>{}, make_coord(kDqByRows ? wg : 0, 0)));  // (MMA, 1, N/16)
+  Tensor tQrK = thr_dq.partition_fragment_B(local_tile(
+      sKt(_, _, 0), Shape<Int<kDqCols>, Int<N>>{}, make_coord(kDqByRows ? 0 : wg, 0)));
+  Tensor tQrDq = partition_fragment_C(mma_dq, Shape<Int<kDqRows>, Int<kDqCols>>{});
   float4* dq_tile = reinterpret_cast<float4*>(smem + Traits::kOffsetDq);
 
   const int key_lo = n_block * N + key_wg * Traits::kKeysPerWarpgroup;  // this warpgroup's keys
@@ -516,19 +522,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       if (mask.needs_mask(q_lo, q_lo + M - 1, key_lo, key_lo + Traits::kKeysPerWarpgroup - 1)) {
         mask.apply_transposed(tSrS, key0, q_lo + col_lane, 0.f);
       }
-      to_a_operand(tSrS, tPa);
-
-      // dV += P^T dO
-      warpgroup_fence_operand(tDvrDv);
-      warpgroup_fence_operand(tPa_words);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tPa); ++kb) {
-        cute::gemm(mma_dkv, tPa(_, _, kb), tKVrDo(_, _, kb, st.stage), tDvrDv);
+      // dV += P^T dO, issued here, or with 128 query rows once dS^T is formed too ([Note] dQ by
+      // query rows in bwd_traits.h)
+      auto issue_dv = [&] {
+        warpgroup_fence_operand(tDvrDv);
+        warpgroup_fence_operand(tPa_words);
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tPa); ++kb) {
+          cute::gemm(mma_dkv, tPa(_, _, kb), tKVrDo(_, _, kb, st.stage), tDvrDv);
+        }
+        warpgroup_commit_batch();
+      };
+      if constexpr (!Traits::kLateDv) {
+        to_a_operand(tSrS, tPa);
+        issue_dv();
+        warpgroup_wait<1>();  // dP^T is in (the dV GEMM may still run)
+      } else {
+        warpgroup_wait<0>();  // dP^T is in
       }
-      warpgroup_commit_batch();
-
-      warpgroup_wait<1>();  // dP^T is in (the dV GEMM may still run)
       warpgroup_fence_operand(tSrDp);
       CUTE_UNROLL
       for (int c1 = 0; c1 < 2; ++c1) {
@@ -547,7 +559,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
           }
         }
       }
+      if constexpr (Traits::kLateDv) to_a_operand(tSrS, tPa);
       to_a_operand(tSrDp, tDsa);
+      if constexpr (Traits::kLateDv) issue_dv();
 
       // dK += dS^T Q
       warpgroup_fence_operand(tDkrDk);
@@ -611,8 +625,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
                                       wg, tid);
       } else {
         CUTE_UNROLL
-        for (int g = 0; g < Traits::kDqCols / 8; ++g) {
-          st_shared_float4(&dq_tile[(wg * (Traits::kDqCols / 8) + g) * 128 + tid],
+        for (int g = 0; g < kDqCols / 8; ++g) {
+          st_shared_float4(&dq_tile[wg * Traits::kDqConsumerFloat4 + g * 128 + tid],
                            tQrDq(make_coord(0, 0, g), 0, 0), tQrDq(make_coord(1, 0, g), 0, 0),
                            tQrDq(make_coord(0, 1, g), 0, 0), tQrDq(make_coord(1, 1, g), 0, 0));
         }

@@ -14,8 +14,11 @@ template <class Traits>
 FwdStatus launch_bwd(const FlashBwdParams& p, cudaStream_t stream, char* why, int why_len) {
   using Element = typename Traits::Element;
   const FlashParams& f = p.fwd;
-  static_assert(Traits::kBlockM == kWorkspaceRows, "one workspace block per step");
-  static_assert(Traits::kDqCols == Traits::kHeadDim / 2, "the cast kernel's fragment order");
+  static_assert(kWorkspaceAlign % Traits::kBlockM == 0 && Traits::kBlockM % kWorkspaceRows == 0,
+                "a step covers whole workspace blocks and never crosses a sequence's padding");
+  static_assert(Traits::kDqRows == kWorkspaceRows &&
+                    (Traits::kDqCols == Traits::kHeadDim || 2 * Traits::kDqCols == Traits::kHeadDim),
+                "the cast kernel's fragment order: 64 rows of a consumer, all or half the columns");
   if (p.dq_acc_cols != Traits::kHeadDim) {
     std::snprintf(why, why_len, "dq_acc has %d columns; head dim %d runs on the %d-column kernel",
                   p.dq_acc_cols, f.head_dim, Traits::kHeadDim);
@@ -44,7 +47,8 @@ FwdStatus launch_bwd(const FlashBwdParams& p, cudaStream_t stream, char* why, in
   score_scales<Traits::kSoftcap>(f, args.scale_log2, args.scale_over_cap);
   args.grad_scale = f.scale;
 
-  const dim3 rows_grid((f.seqlen_q + kWorkspaceRows - 1) / kWorkspaceRows, f.heads_q, f.batch);
+  // the preprocess also writes the padding rows up to the alignment; the cast has none to write
+  const dim3 rows_grid(workspace_rows_of(f.seqlen_q) / kWorkspaceRows, f.heads_q, f.batch);
   const bool has_rows = rows_grid.x > 0;
   // [Note] Backward preprocess and cast: wide accesses where the tensors allow them
   const bool vec_in = vector_ok(f.out, f.out_row_stride, f.out_head_stride, f.out_batch_stride,

@@ -7,20 +7,29 @@
 
 namespace flash::hopper {
 
-constexpr int kWorkspaceRows = 64;          // [Note] Backward workspaces
+// [Note] Backward workspaces: the preprocess and the cast serve blocks of kWorkspaceRows rows;
+// the preprocess also writes a sequence's padding rows up to kWorkspaceAlign.
+constexpr int kWorkspaceRows = kBwdWorkspaceBlock;
+constexpr int kWorkspaceAlign = kBwdWorkspaceAlign;
 
 // First padded row of (batch, head) in the workspaces.
 __device__ __forceinline__ int64_t workspace_row(const FlashBwdParams& p, int batch, int head) {
   if (p.fwd.cu_seqlens_q != nullptr) {
-    const int64_t start = (int64_t(p.fwd.cu_seqlens_q[batch]) + kWorkspaceRows * batch) /
-                          kWorkspaceRows * kWorkspaceRows;
+    const int64_t start = (int64_t(p.fwd.cu_seqlens_q[batch]) + kWorkspaceAlign * batch) /
+                          kWorkspaceAlign * kWorkspaceAlign;
     return int64_t(head) * p.ws_rows + start;
   }
   return (int64_t(batch) * p.fwd.heads_q + head) * p.ws_rows;
 }
 
+// Rows of a sequence of `seqlen_q` queries in the workspaces, padding included.
+__host__ __device__ __forceinline__ int workspace_rows_of(int seqlen_q) {
+  return (seqlen_q + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+}
+
 // The 64-row workspace block a CTA of the preprocess or the cast serves: blockIdx = (block,
-// query head, batch). Empty when the block starts past its sequence's queries (varlen).
+// query head, batch). The cast has nothing to do once the block starts past its sequence's
+// queries; the preprocess still writes the padding rows up to the alignment.
 struct WorkspaceBlock {
   int head, batch, row;  // row: the block's first query row in its sequence
   SeqInfo seq;
@@ -28,6 +37,9 @@ struct WorkspaceBlock {
   __device__ __forceinline__ explicit WorkspaceBlock(const FlashParams& f)
       : head(blockIdx.y), batch(blockIdx.z), row(blockIdx.x * kWorkspaceRows), seq(f, blockIdx.z) {}
   __device__ __forceinline__ bool empty() const { return row >= seq.seqlen_q; }
+  __device__ __forceinline__ bool past_padding() const {
+    return row >= workspace_rows_of(seq.seqlen_q);
+  }
   // the block's first padded row in the workspaces
   __device__ __forceinline__ int64_t ws_row(const FlashBwdParams& p) const {
     return workspace_row(p, batch, head) + row;
@@ -65,7 +77,7 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel(const __grid_constant__ F
   constexpr int kLaneChunks = (D + 127) / 128;  // 16-byte chunks of a row per lane of a half-warp
   const FlashParams& f = p.fwd;
   const WorkspaceBlock blk(f);
-  if (blk.empty()) return;
+  if (blk.past_padding()) return;
   const int head = blk.head, batch = blk.batch, block_row = blk.row;
   const SeqInfo& seq = blk.seq;
   const int64_t ws = blk.ws_row(p);

@@ -13,8 +13,27 @@
 //   dK += dS^T Q         RS GEMM, Q read MN-major
 //   dQ_tile = dS K       SS GEMM over all kBlockN keys: both consumers write their dS^T into one
 //                        shared tile (MN-major A), and each computes half of dQ's columns
-//                        (K read MN-major, sliced at a column chunk); the 64 x kHeadDim fp32 tile
-//                        goes to shared memory and one bulk reduce-add sends it to dq_acc
+//                        (K read MN-major, sliced at a column chunk), or 64 of its rows ([Note]
+//                        dQ by query rows); the kBlockM x kHeadDim fp32 tile goes to shared
+//                        memory and one bulk reduce-add sends it to dq_acc
+//
+// [Note] dQ by query rows
+// At D=64 a 64-row step is short: five 64 x 64 x 64 GEMM units per consumer, against per-step
+// costs that do not shrink with it (the full-barrier wait, two fences, the dS and dQ barriers).
+// There a step takes 128 query rows (BwdTileSize<64>), so the same costs are spread over twice
+// the tensor work. S^T and dP^T are 64 x 128 accumulators (64 registers each), which leaves no
+// room for K and V in registers, so their GEMMs read K and V from shared memory again ([Note] K
+// and V in registers); with 128 columns per instruction K's and V's bytes per multiply-add are
+// half those at 64. The dV GEMM is issued only once P^T and dS^T are both in their
+// register A operands (kLateDv): issued earlier, P^T's operand and the dV and dK GEMMs in flight
+// beside the two accumulators make ptxas serialise every wgmma (C7512). The dQ GEMM splits by
+// rows instead of columns: consumer w computes query
+// rows [64 w, 64 w + 64) over all kHeadDim columns and all kBlockN keys. Its A operand is its 64
+// rows of the dS tile (one contiguous block of SmemLayoutDs), and its fragments are exactly one
+// 64-row workspace block in the order the cast kernel reads (the same as two column halves), so
+// dq_acc and the cast kernel are the same for every tile. The workspaces are aligned to 128 rows
+// so that a 128-row step never reaches another sequence's rows ([Note] Backward workspaces in
+// csrc/flash_params.h).
 //
 // [Note] Backward head-dim split
 // Above D=128 the two-consumer decomposition does not fit: dK and dV of 64 keys are 2 x D/2
@@ -50,13 +69,21 @@ struct BwdTraits {
   static constexpr bool kSoftcap = kSoftcap_;
 
   using Tile = BwdTileSize<kHeadDim>;
-  static constexpr int kBlockM = Tile::kBlockM;
+  static constexpr int kBlockM = kSoftcap ? Tile::kBlockMSoftcap : Tile::kBlockM;
   static constexpr int kBlockN = Tile::kBlockN;
   static constexpr int kStages = Tile::kStages;
   // [Note] Backward head-dim split
   static constexpr bool kSplitHeadDim = kHeadDim > 128;
-  // each consumer's half of the dQ tile's columns
-  static constexpr int kDqCols = kHeadDim / 2;
+  // [Note] dQ by query rows: with 128 query rows per step each consumer's dQ GEMM takes 64 of
+  // the rows and every column; with 64 rows, all the rows and half of the columns
+  static constexpr bool kDqByRows = !kSplitHeadDim && kBlockM == 128;
+  static constexpr int kDqRows = kDqByRows ? kBlockM / 2 : kBlockM;
+  static constexpr int kDqCols = kDqByRows ? kHeadDim : kHeadDim / 2;
+  // float4 of one consumer's dQ fragments in the fp32 dQ tile (fragment order: consumer w's
+  // start at w times this)
+  static constexpr int kDqConsumerFloat4 = kDqRows * kDqCols / 4;
+  // the dV GEMM is issued after dS^T, not before it ([Note] dQ by query rows)
+  static constexpr bool kLateDv = kDqByRows;
   // each consumer's columns of dK and dV
   static constexpr int kDkvCols = kSplitHeadDim ? kHeadDim / 2 : kHeadDim;
 
@@ -66,15 +93,17 @@ struct BwdTraits {
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static_assert(kBlockN == kKeysPerWarpgroup * (kSplitHeadDim ? 1 : kConsumerWarpgroups),
                 "one 64-key slice per consumer, or one shared by both under a head-dim split");
-  static_assert(kBlockM == 64, "the dS tile is one 64 x 64 swizzle block");
+  static_assert(kBlockM == 64 || (kBlockM == 128 && !kSplitHeadDim),
+                "64 query rows per step, or 128 split by rows for the dQ GEMM");
+  static_assert(kDqRows == 64, "a consumer's dQ fragments are whole 64-row workspace blocks");
   static_assert(kHeadDim % 16 == 0, "GEMM K extents are multiples of 16");
 
-  // The widest swizzle whose column chunk divides half the head dim, so that each consumer's
-  // dQ columns are whole chunks of the MN-major K view.
+  // The widest swizzle whose column chunk divides a consumer's dQ columns, so that they are
+  // whole chunks of the MN-major K view.
   static constexpr int kSwizzleBytes = kDqCols % 64 == 0 ? 128 : kDqCols % 32 == 0 ? 64 : 32;
   static constexpr int kChunk = kSwizzleBytes / int(sizeof(Element));
   static constexpr int kChunks = kHeadDim / kChunk;
-  static_assert(kDqCols % kChunk == 0, "each half of the head dim is whole swizzle rows");
+  static_assert(kDqCols % kChunk == 0, "a consumer's dQ columns are whole swizzle rows");
   static_assert(kDqCols % 8 == 0, "dQ fragments are whole 8-column groups");
 
   using AtomK = typename SwizzleAtoms<kSwizzleBytes, Element>::K;
@@ -92,10 +121,12 @@ struct BwdTraits {
   using SmemLayoutQt = RowsMN<kBlockM, kStages>;   // the same bytes as (D, M, stage)
   using SmemLayoutK = RowsK<kBlockN, 1>;           // K and V: (N, D, 1)
   using SmemLayoutKt = RowsMN<kBlockN, 1>;         // K as (D, N, 1)
-  // dS of the CTA as the A operand of the dQ GEMM, (M queries, N keys), queries contiguous; and
-  // the same bytes indexed (keys, queries), where each consumer stores its 64 rows of dS^T.
+  // dS of the CTA as the A operand of the dQ GEMM, (M queries, N keys), queries contiguous, each
+  // 64 query rows one contiguous block (a consumer's A operand under kDqByRows); and the same
+  // bytes indexed (keys, queries), where each consumer stores its 64 rows of dS^T.
   using SmemLayoutDs = decltype(cute::tile_to_shape(
-      gmma::Layout_MN_SW128_Atom<Element>{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
+      gmma::Layout_MN_SW128_Atom<Element>{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{},
+      cute::Step<cute::_2, cute::_1>{}));
   using SmemLayoutDsT = decltype(cute::composition(
       SmemLayoutDs{}, cute::make_layout(cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{},
                                         cute::Stride<cute::Int<kBlockM>, cute::_1>{})));
@@ -107,7 +138,9 @@ struct BwdTraits {
   // bound by shared-memory bandwidth, not the tensor pipe (NOTES, session 10). Where the
   // registers allow (D=64: 16 + 16 per thread beside dK, dV, S^T, dP^T and the dQ half), each
   // consumer copies its 64 rows of K and V into registers once and the two GEMMs run RS.
-  static constexpr bool kKvInRegisters = kHeadDim <= 64;
+  // With 128 query rows per step the S^T and dP^T accumulators take the registers K and V
+  // would need ([Note] dQ by query rows).
+  static constexpr bool kKvInRegisters = kHeadDim <= 64 && kBlockM == 64;
   using MmaSdP = decltype(cute::make_tiled_mma(cute::conditional_return<kKvInRegisters>(
       gmma::rs_op_selector<Element, Element, float,
                            cute::Shape<cute::_64, cute::Int<kBlockM>, cute::Int<kHeadDim>>>(),
@@ -119,7 +152,7 @@ struct BwdTraits {
                            gmma::Major::K, gmma::Major::MN>()));
   using MmaDq = decltype(cute::make_tiled_mma(
       gmma::ss_op_selector<Element, Element, float,
-                           cute::Shape<cute::Int<kBlockM>, cute::Int<kDqCols>, cute::Int<kBlockN>>,
+                           cute::Shape<cute::Int<kDqRows>, cute::Int<kDqCols>, cute::Int<kBlockN>>,
                            gmma::Major::MN, gmma::Major::MN>()));
 
   // dS^T from the S^T/dP^T accumulator layout into the shared dS tile: one stmatrix per four

@@ -50,18 +50,23 @@ TILES = {
     256: (128, 128, 80, 80, 2, "N=80: 2 stages x (K+V) 40 KB + Q 64 KB = 224 KB, the most that fits; "
                                "O accumulator alone is 128 registers (FA3's choice; was 64)."),
 }
-# backward head dim: (kBlockM query rows per step, kBlockN keys per CTA, kStages, reason)
+# backward head dim: (kBlockM query rows per step, kBlockM with softcap, kBlockN keys per CTA,
+# kStages, reason)
 BWD_TILES = {
-    64: (64, 128, 2, "K+V 32 KB + 2 stages x (Q+dO) 16 KB + dS 16 KB + dQ 16 KB = 96 KB; 64-byte "
-                     "swizzle so each consumer's 32 dQ columns are one chunk."),
-    96: (64, 128, 2, "K+V 48 KB + 2 stages x (Q+dO) 24 KB + dS 16 KB + dQ 24 KB = 136 KB; 32-byte "
+    64: (128, 64, 128, 2, "M=128 ([Note] dQ by query rows in bwd_traits.h): K+V 32 KB + 2 stages "
+                          "x (Q+dO) 32 KB + dS 32 KB + dQ 32 KB = 160 KB; registers S^T + dP^T + "
+                          "dK + dV = 64 + 64 + 32 + 32 per thread, K and V read from shared memory. "
+                          "Softcap keeps M=64 (96 KB, K and V in registers): its copy of t is "
+                          "another 64 registers, and at M=128 ptxas spilled 100-150 bytes inside "
+                          "the step loop."),
+    96: (64, 64, 128, 2, "K+V 48 KB + 2 stages x (Q+dO) 24 KB + dS 16 KB + dQ 24 KB = 136 KB; 32-byte "
                      "swizzle (48 dQ columns per consumer = 3 chunks)."),
-    128: (64, 128, 2, "K+V 64 KB + 2 stages x (Q+dO) 32 KB + dS 16 KB + dQ 32 KB = 176 KB; "
+    128: (64, 64, 128, 2, "K+V 64 KB + 2 stages x (Q+dO) 32 KB + dS 16 KB + dQ 32 KB = 176 KB; "
                       "registers dK + dV + dQ half = 64 + 64 + 32 per thread."),
     # [Note] Backward head-dim split (bwd_traits.h): above D=128 both consumers share 64 keys
-    192: (64, 64, 2, "head-dim split: K+V 48 KB + 2 stages x (Q+dO) 48 KB + dS 8 KB = 152 KB, no "
+    192: (64, 64, 64, 2, "head-dim split: K+V 48 KB + 2 stages x (Q+dO) 48 KB + dS 8 KB = 152 KB, no "
                      "dQ tile; registers dK + dV + dQ halves = 48 + 48 + 48 per thread."),
-    256: (64, 64, 2, "head-dim split: K+V 64 KB + 2 stages x (Q+dO) 64 KB + dS 8 KB = 200 KB (a "
+    256: (64, 64, 64, 2, "head-dim split: K+V 64 KB + 2 stages x (Q+dO) 64 KB + dS 8 KB = 200 KB (a "
                      "64 KB dQ tile would not fit); registers dK + dV + dQ halves = 64 + 64 + 64."),
 }
 DTYPES = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t"}
@@ -93,11 +98,14 @@ def head_dims_h() -> str:
 
 def bwd_tile_sizes_h() -> str:
     rows = []
-    for d, (m, n, stages, why) in BWD_TILES.items():
-        rows.append(f"// {why}\ntemplate <> struct BwdTileSize<{d}> {{ static constexpr int kBlockM = {m}, "
-                    f"kBlockN = {n}, kStages = {stages}; }};")
-    return (BANNER + "//\n// One row per compiled backward head dim: kBlockM query rows per step, kBlockN "
-            "keys per CTA,\n// kStages pipeline depth, and why.\n"
+    for d, (m, m_softcap, n, stages, why) in BWD_TILES.items():
+        comment = "\n".join(textwrap.wrap(why, 97, initial_indent="// ", subsequent_indent="// "))
+        rows.append(f"{comment}\ntemplate <> struct BwdTileSize<{d}> {{\n  static constexpr int "
+                    f"kBlockM = {m}, kBlockMSoftcap = {m_softcap}, kBlockN = {n}, "
+                    f"kStages = {stages};\n}};")
+    return (BANNER + "//\n// One row per compiled backward head dim: kBlockM query rows per step "
+            "(kBlockMSoftcap with\n// softcap), kBlockN keys per CTA, kStages pipeline depth, and "
+            "why.\n"
             "#pragma once\n\nnamespace flash::hopper {\n\ntemplate <int kHeadDim>\nstruct BwdTileSize;\n\n"
             + "\n".join(rows) + "\n\n}  // namespace flash::hopper\n")
 
@@ -148,7 +156,7 @@ PY_END = "# END GENERATED"
 def cuda_py_block() -> str:
     dims = ", ".join(str(d) for d in TILES)
     bwd_dims = ", ".join(str(d) for d in BWD_TILES)
-    keys = ", ".join(f"{d}: {n}" for d, (_, n, _, _) in BWD_TILES.items())
+    keys = ", ".join(f"{d}: {n}" for d, (_, _, n, _, _) in BWD_TILES.items())
     return (f"{PY_BEGIN}\n_COMPILED_HEAD_DIMS = ({dims})\n_COMPILED_BWD_HEAD_DIMS = ({bwd_dims})\n"
             f"_BWD_KEYS_PER_CTA = {{{keys}}}\n{PY_END}")
 

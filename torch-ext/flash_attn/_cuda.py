@@ -52,7 +52,10 @@ SMALL_GRID_WAVES = 4
 _DTYPES = (torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = max(_COMPILED_HEAD_DIMS)
 _MAX_BWD_HEAD_DIM = max(_COMPILED_BWD_HEAD_DIMS)
-_WORKSPACE_ROWS = 64  # [Note] Backward workspaces in csrc/flash_params.h
+# [Note] Backward workspaces in csrc/flash_params.h: sequences start on multiples of
+# _WORKSPACE_ALIGN rows; deterministic mode has one semaphore per _WORKSPACE_BLOCK rows
+_WORKSPACE_ALIGN = 128
+_WORKSPACE_BLOCK = 64
 _MAX_GRID_Y_Z = 65535  # heads and batch are grid dimensions
 _MAX_STRIDE_BYTES = 1 << 40  # the copy engine's stride limit
 
@@ -269,7 +272,7 @@ def _backward_ctas(q: torch.Tensor, k: torch.Tensor, params: AttnParams) -> int:
 
 def _workspace_rows(q: torch.Tensor, cu_seqlens_q) -> tuple[int, int]:
     """``(rows per (batch,) head, number of (batch,) heads)`` of the backward workspaces."""
-    w = _WORKSPACE_ROWS
+    w = _WORKSPACE_ALIGN
     if cu_seqlens_q is None:
         return -(-q.shape[1] // w) * w, q.shape[0] * q.shape[2]
     batch = cu_seqlens_q.numel() - 1
@@ -284,7 +287,8 @@ def _unpadded(ws: torch.Tensor, q: torch.Tensor, cu_seqlens_q, rows: int) -> tor
     tokens = torch.arange(q.shape[0], device=q.device, dtype=torch.int32)
     seq = torch.searchsorted(cu_seqlens_q[1:], tokens, right=True)
     batch = torch.arange(cu_seqlens_q.numel() - 1, device=q.device)
-    starts = (cu_seqlens_q[:-1].long() + _WORKSPACE_ROWS * batch) // _WORKSPACE_ROWS * _WORKSPACE_ROWS
+    w = _WORKSPACE_ALIGN
+    starts = (cu_seqlens_q[:-1].long() + w * batch) // w * w
     index = starts[seq] + tokens.long() - cu_seqlens_q[seq].long()
     return ws.view(q.shape[1], rows)[:, index]
 
@@ -308,7 +312,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
     # uninitialised: the preprocess zeroes dq_acc and the semaphores (csrc/hopper/bwd_kernel.h,
     # [Note] Backward preprocess and cast)
     dq_acc = torch.empty(rows * heads, kernel_dim, device=q.device, dtype=torch.float32)
-    semaphore = (torch.empty(rows * heads // _WORKSPACE_ROWS, device=q.device, dtype=torch.int32)
+    semaphore = (torch.empty(rows * heads // _WORKSPACE_BLOCK, device=q.device, dtype=torch.int32)
                  if params.deterministic else None)
     splits = group_splits(q, k, params) if GROUP_SPLIT else 1
     partial = (torch.empty((2, splits, *k.shape), device=k.device, dtype=torch.float32)
