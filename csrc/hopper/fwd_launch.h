@@ -175,8 +175,25 @@ FwdStatus launch_fwd(const FlashParams& p, cudaStream_t stream, char* why, int w
 
 namespace flash::hopper {
 
+// [Note] Long bands
+// A band tile is narrower than a full-mask tile where a wide one wastes more on the masked
+// diagonal and on the last, partial query block than its extra consumer gains (TileSize's band
+// columns; at D=64: 128 rows, against 192 without a mask). Both costs are per query block, so
+// over many queries a band without a left bound (causal, or a right bound only) takes the
+// long-band tile (kBlockMLongBand) from kLongBandMinRows queries on. A sliding window keeps the
+// band tile at every length: its masked share stays the same however long the sequence. Softcap
+// keeps it too (three consumers spill with softcap at D=64). Nothing more is compiled where the
+// two columns agree.
+constexpr int kLongBandMinRows = 2048;
+
 template <class Element, int kHeadDim, bool kWindow, bool kSoftcap>
 FwdStatus run_fwd(const FlashParams& p, cudaStream_t stream, char* why, int why_len) {
+  using Tile = TileSize<kHeadDim>;
+  if constexpr (kWindow && !kSoftcap && Tile::kBlockMLongBand != Tile::kBlockMBand) {
+    if (p.window_left < 0 && p.seqlen_q >= kLongBandMinRows) {
+      return launch_fwd<FwdTraits<Element, kHeadDim, true, false, true>>(p, stream, why, why_len);
+    }
+  }
   return launch_fwd<FwdTraits<Element, kHeadDim, kWindow, kSoftcap>>(p, stream, why, why_len);
 }
 

@@ -53,15 +53,19 @@ struct SwizzleAtoms<32, T> {
   using MN = gmma::Layout_MN_SW32_Atom<T>;
 };
 
-template <class Element_, int kHeadDim_, bool kWindow_, bool kSoftcap_>
+template <class Element_, int kHeadDim_, bool kWindow_, bool kSoftcap_, bool kLongBand_ = false>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kWindow = kWindow_;    // causal or sliding window: band masking compiled in
   static constexpr bool kSoftcap = kSoftcap_;  // s = cap * tanh(s / cap) compiled in
+  // a band without a left bound over many queries ([Note] Long bands in fwd_launch.h)
+  static constexpr bool kLongBand = kLongBand_;
 
   using Tile = TileSize<kHeadDim>;
-  static constexpr int kBlockM = kWindow ? Tile::kBlockMBand : Tile::kBlockM;
+  static_assert(kWindow || !kLongBand, "the long-band tile is a band tile");
+  static constexpr int kBlockM =
+      kLongBand ? Tile::kBlockMLongBand : kWindow ? Tile::kBlockMBand : Tile::kBlockM;
   static constexpr int kBlockN = kWindow ? Tile::kBlockNBand : Tile::kBlockN;
   static constexpr int kStages = Tile::kStages;
 
