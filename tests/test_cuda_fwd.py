@@ -190,13 +190,13 @@ def test_many_tiles_per_cta(cuda_backend, attn_params, window, sq, sk, d):
 @pytest.mark.parametrize("case", ["causal", "right", "causal_rows_without_keys", "varlen"])
 def test_long_band_tiles(cuda_backend, attn_params, case):
     """[Note] Long bands (csrc/hopper/fwd_launch.h): at D=64 a band without a left bound over
-    at least 2048 queries runs 192-row tiles (the last one partial) instead of 128-row ones:
+    at least 4096 queries runs 192-row tiles (the last one partial) instead of 128-row ones:
     causal, a right bound only, causal with Sq > Sk (rows that see no key, with a sink), and
     varlen whose longest sequence passes the threshold beside short and empty ones."""
     torch.manual_seed(47)
     cu_q = cu_k = s_aux = None
     if case == "varlen":
-        seq_q, seq_k = [2100, 0, 5, 300], [2200, 3, 5, 0]
+        seq_q, seq_k = [4100, 0, 5, 300], [4200, 3, 5, 0]
         cu_q = torch.tensor([0, *itertools.accumulate(seq_q)], device="cuda", dtype=torch.int32)
         cu_k = torch.tensor([0, *itertools.accumulate(seq_k)], device="cuda", dtype=torch.int32)
         q = torch.randn(sum(seq_q), 8, 64, device="cuda", dtype=torch.bfloat16)
@@ -204,9 +204,9 @@ def test_long_band_tiles(cuda_backend, attn_params, case):
         v = torch.randn(sum(seq_k), 2, 64, device="cuda", dtype=torch.bfloat16)
         params = backend_params(attn_params, 64, causal=True, max_q=max(seq_q), max_k=max(seq_k))
     else:
-        sq, sk, window = {"causal": (2100, 2300, (-1, 0)), "right": (2050, 1900, (-1, 77)),
-                          "causal_rows_without_keys": (2200, 700, (-1, 0))}[case]
-        q, k, v = seeded_cuda_qkv(2, sq, sk, 8, 2, 64, torch.float16, seed=sq + sk)
+        sq, sk, window = {"causal": (4100, 4300, (-1, 0)), "right": (4097, 3900, (-1, 77)),
+                          "causal_rows_without_keys": (4200, 700, (-1, 0))}[case]
+        q, k, v = seeded_cuda_qkv(1, sq, sk, 8, 2, 64, torch.float16, seed=sq + sk)
         params = backend_params(attn_params, 64, causal=window == (-1, 0), window=window,
                                 max_q=sq, max_k=sk)
         s_aux = torch.randn(8, device="cuda") if sq > sk else None
@@ -220,10 +220,10 @@ def test_small_persistent_tiles(cuda_backend, attn_params):
     """Several tiles per persistent CTA (batched, full and causal), sized for compute-sanitizer:
     full runs D=64's three-consumer tiles (3 query blocks of 192 rows, the last one partial, x 64
     heads = 192 tiles), causal the two-consumer band tiles (5 blocks of 128, 192 paired units),
-    and a causal 2100-query run the three-consumer long-band tiles.
+    and a causal 4100-query run the three-consumer long-band tiles.
     The references run on the CPU, so only our kernel runs on the GPU under the sanitizer."""
     shapes = [(520, 520, 64, 8, False), (520, 520, 64, 8, True),
-              (2100, 2100, 4, 2, True)]  # the last: [Note] Long bands, 11 blocks of 192 rows
+              (4100, 4100, 2, 1, True)]  # the last: [Note] Long bands, 22 blocks of 192 rows
     for sq, sk, hq, hkv, causal in shapes:
         q, k, v = seeded_cuda_qkv(1, sq, sk, hq, hkv, 64, torch.float16, seed=23)
         params = backend_params(attn_params, 64, causal=causal, max_q=sq, max_k=sk)

@@ -42,8 +42,8 @@ TILES = {
                                 "TFLOP/s at 4k, 366 -> 393 at 1k); 2 stages x (K+V) 16 KB + "
                                 "Q 24 KB = 88 KB. band: M=128 (M=192 lost 13% at 1k causal, "
                                 "283 -> 245, to the wider masked diagonal and the 1k/192 "
-                                "remainder tile); long band (no left bound, >= 2048 queries): "
-                                "M=192, +4% at 4k causal when first measured."),
+                                "remainder tile); long band (no left bound, >= 4096 queries): "
+                                "M=192, causal +4/+8/+13% at 4k/8k/16k, -5% at 2k."),
     96: (128, 128, 128, 128, 128, 2, "2 stages x (K+V) 24 KB + Q 24 KB = 120 KB; 64-byte swizzle (96 "
                                 "columns = 3 x 32)."),
     128: (128, 128, 128, 176, 128, 2, "full: N=176, 2 stages x (K+V) 44 KB + Q 32 KB = 208 KB, S/P/O "

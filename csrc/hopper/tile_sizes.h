@@ -15,8 +15,8 @@ struct TileSize;
 // (at M=128 the tensor pipe and the exp2 unit each ran 43% busy, ncu, 4k; M=192: 414 -> 470
 // TFLOP/s at 4k, 366 -> 393 at 1k); 2 stages x (K+V) 16 KB + Q 24 KB = 88 KB. band: M=128 (M=192
 // lost 13% at 1k causal, 283 -> 245, to the wider masked diagonal and the 1k/192 remainder
-// tile); long band (no left bound, >= 2048 queries): M=192, +4% at 4k causal when first
-// measured.
+// tile); long band (no left bound, >= 4096 queries): M=192, causal +4/+8/+13% at 4k/8k/16k, -5%
+// at 2k.
 template <> struct TileSize<64> {
   static constexpr int kBlockM = 192, kBlockMBand = 128, kBlockMLongBand = 192, kBlockN = 128,
                        kBlockNBand = 128, kStages = 2;
