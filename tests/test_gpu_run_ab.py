@@ -47,9 +47,9 @@ def test_ab_phase(tmp_path):
     # header is left to the phase's regeneration)
     gen = tree / "csrc/hopper/generate.py"
     original = gen.read_text()
-    assert "128: (64, 128, 2," in original
+    assert "128: (64, 64, 128, 2," in original
     changed = tmp_path / "changed.py"
-    changed.write_text(original.replace("128: (64, 128, 2,", "128: (64, 128, 3,"))
+    changed.write_text(original.replace("128: (64, 64, 128, 2,", "128: (64, 64, 128, 3,"))
     diff = subprocess.run(["git", "diff", "--no-index", "--", str(gen), str(changed)],
                           capture_output=True, text=True).stdout
     # paths relative to the repository root, as `git diff main branch` writes them
