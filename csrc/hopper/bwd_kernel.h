@@ -22,7 +22,8 @@
 // Per step, each consumer computes (see bwd_traits.h for the GEMM shapes):
 //   S^T, dP^T          two SS GEMMs issued back to back
 //   P^T = exp2(S^T * scale_log2 - lse2)  (softcap: S^T holds t = tanh(scale * qk / cap) first)
-//   dV += P^T dO       RS GEMM, issued as soon as P^T is in registers
+//   dV += P^T dO       RS GEMM, issued as soon as P^T is in registers (at 128 query rows, once
+//                      dS^T is too: [Note] dQ by query rows in bwd_traits.h)
 //   dS^T = P^T * (dP^T - delta)          (softcap: times 1 - t^2)
 //   dK += dS^T Q       RS GEMM
 //   dS^T -> the CTA's shared dS tile; dQ (this consumer's half of the columns, or of the rows:
@@ -39,16 +40,17 @@
 // [Note] dQ through shared memory
 // Per step both consumers store their 64 rows of dS^T into the one dS tile and meet at
 // kDsBarrier (256 threads); each then computes half of the dQ tile (its columns, or its rows at
-// 128 query rows per step) over all kBlockN keys, stores it into the fp32 dQ tile and arrives (without waiting) at kDqFullBarrier. The dQ
-// warp waits there (256 + 32 threads), one lane issues the bulk reduce-add of the whole tile into
-// dq_acc and waits until it has read the tile (bulk_wait_read), and the warp arrives at
-// kDqEmptyBarrier. Consumers wait at kDqEmptyBarrier before they write the next step's dS^T:
-// past it, both dQ GEMMs of the step retired (both consumers arrived at kDqFullBarrier after
-// them), so the dS tile is free, and the reduce has read the dQ tile, so it is free too. The
-// consumers never wait for the copy engine, and a deterministic mode's turn is waited for by
-// the dQ warp alone. The fp32 tile is stored in fragment order (chunk g of consumer w's columns:
-// 128 float4 of its 128 threads), so the stores are conflict-free and one contiguous bulk copy
-// carries the tile; dq_acc keeps that order and the cast kernel undoes it.
+// 128 query rows per step) over all kBlockN keys, stores it into the fp32 dQ tile and arrives
+// (without waiting) at kDqFullBarrier. The dQ warp waits there (256 + 32 threads), one lane
+// issues the bulk reduce-add of the whole tile into dq_acc and waits until it has read the tile
+// (bulk_wait_read), and the warp arrives at kDqEmptyBarrier. Consumers wait at kDqEmptyBarrier
+// before they write the next step's dS^T: past it, both dQ GEMMs of the step retired (both
+// consumers arrived at kDqFullBarrier after them), so the dS tile is free, and the reduce has
+// read the dQ tile, so it is free too. The consumers never wait for the copy engine, and a
+// deterministic mode's turn is waited for by the dQ warp alone. The fp32 tile is stored in
+// fragment order (chunk g of consumer w's columns: 128 float4 of its 128 threads), so the stores
+// are conflict-free and one contiguous bulk copy carries the tile; dq_acc keeps that order and
+// the cast kernel undoes it.
 //
 // [Note] dQ from registers
 // Under a head-dim split there is no fp32 dQ tile: after its dQ GEMM retires each consumer adds

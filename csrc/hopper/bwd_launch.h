@@ -16,8 +16,9 @@ FwdStatus launch_bwd(const FlashBwdParams& p, cudaStream_t stream, char* why, in
   const FlashParams& f = p.fwd;
   static_assert(kWorkspaceAlign % Traits::kBlockM == 0 && Traits::kBlockM % kWorkspaceRows == 0,
                 "a step covers whole workspace blocks and never crosses a sequence's padding");
+  constexpr int kDqCols = Traits::kDqCols;
   static_assert(Traits::kDqRows == kWorkspaceRows &&
-                    (Traits::kDqCols == Traits::kHeadDim || 2 * Traits::kDqCols == Traits::kHeadDim),
+                    (kDqCols == Traits::kHeadDim || 2 * kDqCols == Traits::kHeadDim),
                 "the cast kernel's fragment order: 64 rows of a consumer, all or half the columns");
   if (p.dq_acc_cols != Traits::kHeadDim) {
     std::snprintf(why, why_len, "dq_acc has %d columns; head dim %d runs on the %d-column kernel",

@@ -24,16 +24,15 @@
 // the tensor work. S^T and dP^T are 64 x 128 accumulators (64 registers each), which leaves no
 // room for K and V in registers, so their GEMMs read K and V from shared memory again ([Note] K
 // and V in registers); with 128 columns per instruction K's and V's bytes per multiply-add are
-// half those at 64. The dV GEMM is issued only once P^T and dS^T are both in their
-// register A operands (kLateDv): issued earlier, P^T's operand and the dV and dK GEMMs in flight
-// beside the two accumulators make ptxas serialise every wgmma (C7512). The dQ GEMM splits by
-// rows instead of columns: consumer w computes query
-// rows [64 w, 64 w + 64) over all kHeadDim columns and all kBlockN keys. Its A operand is its 64
-// rows of the dS tile (one contiguous block of SmemLayoutDs), and its fragments are exactly one
-// 64-row workspace block in the order the cast kernel reads (the same as two column halves), so
-// dq_acc and the cast kernel are the same for every tile. The workspaces are aligned to 128 rows
-// so that a 128-row step never reaches another sequence's rows ([Note] Backward workspaces in
-// csrc/flash_params.h).
+// half those at 64. The dV GEMM is issued only once P^T and dS^T are both in their register A
+// operands (kLateDv): issued earlier, P^T's operand and the dV and dK GEMMs in flight beside the
+// two accumulators make ptxas serialise every wgmma (C7512). The dQ GEMM splits by rows instead
+// of columns: consumer w computes query rows [64 w, 64 w + 64) over all kHeadDim columns and all
+// kBlockN keys. Its A operand is its 64 rows of the dS tile (one contiguous block of
+// SmemLayoutDs), and its fragments are exactly one 64-row workspace block in the order the cast
+// kernel reads (the same as two column halves), so dq_acc and the cast kernel are the same for
+// every tile. The workspaces are aligned to 128 rows so that a 128-row step never reaches
+// another sequence's rows ([Note] Backward workspaces in csrc/flash_params.h).
 //
 // [Note] Backward head-dim split
 // Above D=128 the two-consumer decomposition does not fit: dK and dV of 64 keys are 2 x D/2
