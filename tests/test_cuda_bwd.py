@@ -94,6 +94,39 @@ def _assert_within_rounding_noise(name, ours, q, k, v, out, dout, ref64, kwargs,
                          f"rounding of O explains {noise.norm().item():.3e}"
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_workspace_layout(cuda_backend, seed):
+    """[Note] Backward workspaces (csrc/flash_params.h): every varlen sequence's rows start on a
+    multiple of 128 (the longest step of a main kernel), its padding up to the next multiple ends
+    before the next sequence starts and inside the head's rows, and ``_unpadded`` reads delta
+    back from those rows in token order. CPU only: the layout is arithmetic on cu_seqlens."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, 300, (int(torch.randint(1, 7, (), generator=gen)),), generator=gen)
+    lens[0] = 128 * (seed % 3)  # a sequence that fills whole blocks, or an empty one
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32)
+    heads = 3
+    q = torch.empty(int(lens.sum()), heads, 64)
+    rows, ws_heads = cuda_backend._workspace_rows(q, cu)
+    w = cuda_backend._WORKSPACE_ALIGN
+    assert w == 128 and rows % w == 0 and ws_heads == heads
+    starts = [(int(cu[b]) + w * b) // w * w for b in range(len(lens))]
+    ends = [start + -(-int(n) // w) * w for start, n in zip(starts, lens)]
+    assert all(start % w == 0 for start in starts)
+    assert all(end <= nxt for end, nxt in zip(ends, starts[1:])), (starts, ends)
+    assert ends[-1] <= rows
+    # delta's padded rows hold (head, sequence, row) codes; _unpadded must return them per token
+    ws = torch.full((heads, rows), -1.0)
+    expect = torch.empty(heads, int(lens.sum()))
+    for h in range(heads):
+        for b, (start, n) in enumerate(zip(starts, lens.tolist())):
+            codes = torch.arange(n, dtype=torch.float32) + 1000 * b + 100000 * h
+            ws[h, start:start + n] = codes
+            expect[h, int(cu[b]):int(cu[b]) + n] = codes
+    assert torch.equal(cuda_backend._unpadded(ws.reshape(-1), q, cu, rows), expect)
+    batched = torch.empty(2, 300, heads, 64)
+    assert cuda_backend._workspace_rows(batched, None) == (384, 2 * heads)
+
+
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
