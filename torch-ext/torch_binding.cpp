@@ -239,8 +239,8 @@ void hopper_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor ls
                   op, ": lse2 must be a contiguous float32 CUDA vector of whole workspace rows");
   const int64_t ws_rows = lse2.numel() / batch_rows;
   constexpr int64_t align = flash::kBwdWorkspaceAlign;
-  const int64_t need = dims == 4 ? (int64_t(p.seqlen_q) + align - 1) / align * align
-                                 : (int64_t(p.rows_q) + align * p.batch + align - 1) / align * align;
+  const int64_t rows = dims == 4 ? int64_t(p.seqlen_q) : int64_t(p.rows_q) + align * p.batch;
+  const int64_t need = (rows + align - 1) / align * align;
   STD_TORCH_CHECK(ws_rows >= need && ws_rows % align == 0, op, ": lse2 has ", ws_rows,
                   " rows per head, needs a multiple of ", align, " of at least ", need);
   STD_TORCH_CHECK(delta.is_cuda() && delta.scalar_type() == ScalarType::Float &&
