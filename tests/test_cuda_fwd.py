@@ -21,7 +21,8 @@ import math
 import pytest
 import torch
 
-from helpers import backend_params, make_qkv, needs_sm90, seeded_cuda_qkv, sm90
+from helpers import (backend_params, make_qkv, make_varlen_qkv, needs_sm90, seeded_cuda_qkv,
+                     sm90)
 from reference import assert_close_to_reference, attention_reference
 
 
@@ -196,13 +197,10 @@ def test_long_band_tiles(cuda_backend, attn_params, case):
     torch.manual_seed(47)
     cu_q = cu_k = s_aux = None
     if case == "varlen":
-        seq_q, seq_k = [4100, 0, 5, 300], [4200, 3, 5, 0]
-        cu_q = torch.tensor([0, *itertools.accumulate(seq_q)], device="cuda", dtype=torch.int32)
-        cu_k = torch.tensor([0, *itertools.accumulate(seq_k)], device="cuda", dtype=torch.int32)
-        q = torch.randn(sum(seq_q), 8, 64, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(sum(seq_k), 2, 64, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(sum(seq_k), 2, 64, device="cuda", dtype=torch.bfloat16)
-        params = backend_params(attn_params, 64, causal=True, max_q=max(seq_q), max_k=max(seq_k))
+        q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv([4100, 0, 5, 300], [4200, 3, 5, 0],
+                                                            8, 2, 64, dtype=torch.bfloat16,
+                                                            device="cuda")
+        params = backend_params(attn_params, 64, causal=True, max_q=max_q, max_k=max_k)
     else:
         sq, sk, window = {"causal": (4100, 4300, (-1, 0)), "right": (4097, 3900, (-1, 77)),
                           "causal_rows_without_keys": (4200, 700, (-1, 0))}[case]

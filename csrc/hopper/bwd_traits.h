@@ -94,7 +94,6 @@ struct BwdTraits {
                 "one 64-key slice per consumer, or one shared by both under a head-dim split");
   static_assert(kBlockM == 64 || (kBlockM == 128 && !kSplitHeadDim),
                 "64 query rows per step, or 128 split by rows for the dQ GEMM");
-  static_assert(kDqRows == 64, "a consumer's dQ fragments are whole 64-row workspace blocks");
   static_assert(kHeadDim % 16 == 0, "GEMM K extents are multiples of 16");
 
   // The widest swizzle whose column chunk divides a consumer's dQ columns, so that they are
