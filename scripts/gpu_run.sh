@@ -3,10 +3,10 @@
 # tests, benchmark against the peers, publish to an embedded Hub and load it
 # back, and train. Phases run in the order given (default: all but train):
 #
-#   bash scripts/gpu_run.sh [setup] [build] [ab] [cudafwd] [cudabwd] [sanitize] [test] [tune] [ktimes] [profile] [bench] [hub] [train]
+#   bash scripts/gpu_run.sh [setup] [build] [ab|abbuild] [cudafwd] [cudabwd] [sanitize] [test] [tune] [ktimes] [profile] [bench] [hub] [train]
 #
-# ab builds the tree and the tree with AB_PATCH applied, and times both (see the phase); the
-# phases after it test the patched build.
+# ab builds the tree and the tree with each AB_PATCH applied (or takes builds of the same sources
+# made ahead by abbuild), and times them (see the phase); the phases after it test the top build.
 #
 # train loads ours from the embedded Hub that hub publishes to, so hub goes before it.
 #
@@ -47,6 +47,20 @@ run_phase() {
   fi
 }
 
+# The digest of what a CUDA build is made of (the phase ab matches carried builds on it).
+source_digest() {
+  find csrc torch-ext flash_attn_hub build.toml -type f -not -path '*/__pycache__/*' \
+    \( -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.py' \
+       -o -name '*.json' -o -name '*.toml' \) -print0 |
+    LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16
+}
+
+# Whether the build in $1 (a build/ folder) loads and runs here: one small forward and backward.
+ab_loads() {
+  timeout 120 python3 scripts/kernel_times.py --kernel-dir "$1" --iters 1 --batch 1 \
+    --seqlen 256 --heads 2/2 --head-dim 64 >/dev/null 2>&1
+}
+
 for phase in "${phases[@]}"; do
   case $phase in
     setup)
@@ -64,40 +78,70 @@ for phase in "${phases[@]}"; do
       variant=$(tail -n 1 "$OUT/build.log")  # build prints the variant path last
       [[ -n $variant ]] && run_phase check python3 -m flash_attn_hub check "$variant"
       ;;
-    ab)
-      # A CUDA change against the tree, both built on this machine: the tree's build moves to
-      # $AB_BASE_DIR/build, AB_PATCH (a diff from the repository root, e.g. `git diff main
-      # my-branch`) is applied and built into build/, and scripts/kernel_times.py times each
-      # KT_ARGS workload (";"-separated) in separate processes, patched then base, AB_REPS
-      # rounds, into ab.log; scripts/ab_table.py prints the table. The tree stays patched, so
-      # later phases (cudabwd, sanitize) test the patched build.
-      if [[ -z ${AB_PATCH:-} || ! -f ${AB_PATCH:-} ]]; then
-        log "phase ab FAILED: AB_PATCH names no file"; status=1; continue
+    ab|abbuild)
+      # A stack of CUDA changes against the tree. AB_PATCH names one patch or several
+      # (space-separated, applied in that order), each a diff from the repository root (e.g.
+      # `git diff main my-branch`). Build "base" is the tree; build k is the tree with patches
+      # 1..k, named after its patch file ("exp" when there is one patch). Each goes to
+      # $AB_DIR/<name>/build, compiled in place one after another with one object cache
+      # ($AB_CACHE), so a patch recompiles only what it changes; $AB_DIR/<name>/SOURCES records
+      # the digest of the sources it was built from (source_digest). A build whose SOURCES
+      # matches is reused, so abbuild (the builds alone, on any machine with nvcc) can make
+      # them ahead of a GPU call that carries AB_DIR. ab then times each KT_ARGS workload
+      # (";"-separated) with scripts/kernel_times.py, one process per build, the stack's top
+      # first, AB_REPS rounds, into ab.log, and scripts/ab_table.py prints the table. The tree
+      # stays patched and build/ holds the top build, so later phases (cudabwd, sanitize) test it.
+      read -ra ab_patches <<< "${AB_PATCH:-}"
+      ab_ok=1
+      for patch in "${ab_patches[@]}"; do [[ -f $patch ]] || ab_ok=0; done
+      if [[ ${#ab_patches[@]} -eq 0 || $ab_ok -eq 0 ]]; then
+        log "phase $phase FAILED: AB_PATCH names no file (${AB_PATCH:-})"; status=1; continue
       fi
-      ab_base=${AB_BASE_DIR:-/tmp/ab-base}
-      run_phase ab-build-base python3 -m flash_attn_hub build --backend cuda || continue
-      rm -rf "$ab_base" && mkdir -p "$ab_base" && mv build "$ab_base/build"
-      # git apply works outside a repository; patch(1) where git is missing
-      apply=(patch -p1 -i "$AB_PATCH")
-      command -v git >/dev/null && apply=(git apply "$AB_PATCH")
-      run_phase ab-apply "${apply[@]}" || continue
-      # a patch to generate.py's tables may leave out the headers it generates
-      run_phase ab-generate python3 csrc/hopper/generate.py || continue
-      run_phase ab-build-exp python3 -m flash_attn_hub build --backend cuda || continue
+      ab_names=(base)
+      if [[ ${#ab_patches[@]} -eq 1 ]]; then ab_names+=(exp); else
+        for patch in "${ab_patches[@]}"; do ab_names+=("$(basename "$patch" .patch)"); done
+      fi
+      ab_dir=${AB_DIR:-/tmp/ab}
+      for i in "${!ab_names[@]}"; do
+        name=${ab_names[$i]}
+        if [[ $i -gt 0 ]]; then
+          # git apply works outside a repository; patch(1) where git is missing
+          apply=(patch -p1 -i "${ab_patches[$((i - 1))]}")
+          command -v git >/dev/null && apply=(git apply "${ab_patches[$((i - 1))]}")
+          run_phase "ab-apply-$name" "${apply[@]}" || { ab_ok=0; break; }
+          # a patch to generate.py's tables may leave out the headers it generates
+          run_phase "ab-generate-$name" python3 csrc/hopper/generate.py || { ab_ok=0; break; }
+        fi
+        digest=$(source_digest)
+        if [[ -d $ab_dir/$name/build && $(cat "$ab_dir/$name/SOURCES" 2>/dev/null) == "$digest" ]] &&
+           { [[ $phase == abbuild ]] || ab_loads "$ab_dir/$name/build"; }; then
+          log "ab: $name was built from these sources already ($digest)"
+          continue
+        fi
+        rm -rf "${ab_dir:?}/$name"
+        run_phase "ab-build-$name" env FLASH_ATTN_HUB_CACHE="${AB_CACHE:-/tmp/ab-cache}" \
+          python3 -m flash_attn_hub build --backend cuda --out "$ab_dir/$name/build" ||
+          { ab_ok=0; break; }
+        echo "$digest" >"$ab_dir/$name/SOURCES"
+      done
+      [[ $ab_ok -eq 1 && $phase == ab ]] || continue
+      rm -rf build && cp -a "$ab_dir/${ab_names[-1]}/build" build
       IFS=';' read -ra kt_sets <<< "${KT_ARGS:-}"
       [[ ${#kt_sets[@]} -eq 0 ]] && kt_sets=("")
       for rep in $(seq "${AB_REPS:-2}"); do
         for args in "${kt_sets[@]}"; do
-          for side in exp base; do
-            dir=build; [[ $side == base ]] && dir=$ab_base/build
+          for ((i = ${#ab_names[@]} - 1; i >= 0; i--)); do
+            side=${ab_names[$i]}
             echo "== $side rep$rep: $args" >>"$OUT/ab.log"
             # shellcheck disable=SC2086
-            timeout 300 python3 scripts/kernel_times.py --kernel-dir "$dir" --iters 10 $args \
-              >>"$OUT/ab.log" 2>&1 || { log "kernel_times failed ($side): $args"; status=1; }
+            timeout 300 python3 scripts/kernel_times.py --kernel-dir "$ab_dir/$side/build" \
+              --iters 10 $args >>"$OUT/ab.log" 2>&1 ||
+              { log "kernel_times failed ($side): $args"; status=1; }
           done
         done
       done
-      python3 scripts/ab_table.py "$OUT/ab.log" | tee "$OUT/ab-table.md" || status=1
+      python3 scripts/ab_table.py "$OUT/ab.log" --builds "$(IFS=,; echo "${ab_names[*]}")" |
+        tee "$OUT/ab-table.md" || status=1
       ;;
     cudafwd)
       # The sm90 forward called directly, every feature against the float64 reference.
