@@ -90,7 +90,8 @@ for phase in "${phases[@]}"; do
       # them ahead of a GPU call that carries AB_DIR. ab then times each KT_ARGS workload
       # (";"-separated) with scripts/kernel_times.py, one process per build, the stack's top
       # first, AB_REPS rounds, into ab.log, and scripts/ab_table.py prints the table. The tree
-      # stays patched and build/ holds the top build, so later phases (cudabwd, sanitize) test it.
+      # stays patched and build/ holds the top build, so later phases (cudabwd, sanitize) test it;
+      # with AB_REPS=0 that is all ab does (a second call on a warm machine, say).
       read -ra ab_patches <<< "${AB_PATCH:-}"
       ab_ok=1
       for patch in "${ab_patches[@]}"; do [[ -f $patch ]] || ab_ok=0; done
@@ -126,6 +127,8 @@ for phase in "${phases[@]}"; do
       done
       [[ $ab_ok -eq 1 && $phase == ab ]] || continue
       rm -rf build && cp -a "$ab_dir/${ab_names[-1]}/build" build
+      # AB_REPS=0: the patched tree and its build for the phases after, nothing timed
+      [[ ${AB_REPS:-2} -gt 0 ]] || continue
       IFS=';' read -ra kt_sets <<< "${KT_ARGS:-}"
       [[ ${#kt_sets[@]} -eq 0 ]] && kt_sets=("")
       for rep in $(seq "${AB_REPS:-2}"); do

@@ -173,6 +173,16 @@ def test_ab_stack_built_ahead(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert _builds(tmp_path)[3:] == [str(ab_dir / "keys" / "build")]
 
+    # AB_REPS=0: the tree patched and the top build in build/, nothing timed or built
+    fifth = _tree(tmp_path, "fifth")
+    run = _run(tmp_path, fifth, ["ab"], OUT=str(tmp_path / "out5"),
+               AB_PATCH=f"{stages} {keys}", AB_DIR=str(ab_dir), AB_REPS="0")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert len(_builds(tmp_path)) == 4
+    assert not (tmp_path / "out5" / "ab-table.md").exists()
+    assert "# stand-in: keys" in (fifth / "build/variant/generate.py").read_text()
+    assert "# stand-in: keys" in (fifth / "csrc/hopper/generate.py").read_text()
+
     # a source edited below every patch: every build is made again
     fourth = _tree(tmp_path, "fourth")
     kernel = fourth / "csrc/hopper/bwd_kernel.h"
