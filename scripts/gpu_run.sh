@@ -93,15 +93,23 @@ for phase in "${phases[@]}"; do
       # stays patched and build/ holds the top build, so later phases (cudabwd, sanitize) test it;
       # with AB_REPS=0 that is all ab does (a second call on a warm machine, say).
       read -ra ab_patches <<< "${AB_PATCH:-}"
-      ab_ok=1
-      for patch in "${ab_patches[@]}"; do [[ -f $patch ]] || ab_ok=0; done
-      if [[ ${#ab_patches[@]} -eq 0 || $ab_ok -eq 0 ]]; then
-        log "phase $phase FAILED: AB_PATCH names no file (${AB_PATCH:-})"; status=1; continue
-      fi
+      ab_bad=""
+      [[ ${#ab_patches[@]} -eq 0 ]] && ab_bad="AB_PATCH names no file"
+      for patch in "${ab_patches[@]}"; do
+        [[ -f $patch ]] || ab_bad="AB_PATCH names no file $patch"
+      done
       ab_names=(base)
       if [[ ${#ab_patches[@]} -eq 1 ]]; then ab_names+=(exp); else
         for patch in "${ab_patches[@]}"; do ab_names+=("$(basename "$patch" .patch)"); done
       fi
+      # each build's folder is named after its patch file: two of one name would share it
+      if [[ $(printf '%s\n' "${ab_names[@]}" | sort | uniq -d) ]]; then
+        ab_bad="AB_PATCH's file names must differ from each other and from base: ${ab_names[*]}"
+      fi
+      if [[ -n $ab_bad ]]; then
+        log "phase $phase FAILED: $ab_bad"; status=1; continue
+      fi
+      ab_ok=1
       ab_dir=${AB_DIR:-/tmp/ab}
       for i in "${!ab_names[@]}"; do
         name=${ab_names[$i]}

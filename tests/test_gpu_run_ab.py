@@ -199,4 +199,20 @@ def test_ab_phase_without_patch(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "AB_PATCH": str(tmp_path / "missing.patch")}
     run = subprocess.run(["bash", str(REPO / "scripts/gpu_run.sh"), "ab"], env=env,
                          capture_output=True, text=True, timeout=60)
-    assert run.returncode == 1 and "AB_PATCH names no file" in run.stdout
+    assert run.returncode == 1
+    assert f"AB_PATCH names no file {tmp_path / 'missing.patch'}" in run.stdout
+
+
+def test_ab_phase_refuses_patches_of_one_name(tmp_path):
+    """Builds are named after their patch files, so two of one name (or one called base) would
+    share a folder: refused before anything is applied."""
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "fix.patch").write_text("")
+    (tmp_path / "base.patch").write_text("")
+    for patches in (f"{tmp_path}/a/fix.patch {tmp_path}/b/fix.patch",
+                    f"{tmp_path}/base.patch {tmp_path}/a/fix.patch"):
+        env = {**os.environ, "OUT": str(tmp_path / "out"), "AB_PATCH": patches}
+        run = subprocess.run(["bash", str(REPO / "scripts/gpu_run.sh"), "abbuild"], env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 1 and "file names must differ" in run.stdout, run.stdout
