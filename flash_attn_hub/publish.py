@@ -2,10 +2,21 @@
 
 Through ``huggingface_hub.HfApi``: create the ``kernel`` repo, create branch
 ``v<version>`` if missing, then ONE commit on that branch (its parent pinned to the
-tip the checks below read, so nothing can slip in between) holding
-``build/<variant>/**`` for every built variant plus ``benchmarks/**``, deleting the
-stale files of exactly those variants; finally the kernel card (``CARD.md``) as
-``README.md`` on ``main``.
+tip the checks below read, so nothing can slip in between); finally the kernel card
+(``CARD.md``) as ``README.md`` on ``main``.
+
+The branch carries only what a kernel repository serves (STYLE.md 14), the files
+kernel-builder's ``upload`` sends plus the build's own description:
+
+* ``build/<variant>/**`` of every built variant, the stale files of exactly those
+  variants deleted (other variants on the branch, built elsewhere, stay);
+* the top-level ``benchmarks/benchmark*.py`` (what ``kernels benchmark`` runs); any other
+  file under ``benchmarks/`` on the branch is deleted (kernel-builder deletes only stale
+  ``benchmark*`` files there, but earlier uploads of this tool sent the whole folder: run
+  logs, notes, result folders and plots must not linger);
+* ``build.toml``, ``flake.nix``, ``flake.lock`` and ``LICENSE`` where the source has them.
+
+:func:`published_path_allowed` is that rule as a predicate over a repository path.
 
 The version-bump rule, checked against what the branch serves before anything is
 written: a branch ``vN`` only ever serves version ``N`` (every variant's
@@ -33,6 +44,9 @@ from . import DEFAULT_REPO_ID, REPO_ROOT
 REPO_TYPE = "kernel"
 CARD_PATH = REPO_ROOT / "CARD.md"
 BENCHMARKS_DIR = REPO_ROOT / "benchmarks"
+# The build's description, published beside the variants when the source has them.
+KERNEL_FILE_NAMES = ("build.toml", "flake.nix", "flake.lock", "LICENSE")
+KERNEL_FILES = tuple(REPO_ROOT / name for name in KERNEL_FILE_NAMES)
 _SKIPPED_PARTS = ("__pycache__",)
 
 
@@ -85,6 +99,24 @@ def public_names(init_source: str) -> frozenset[str] | None:
               and isinstance(node.value.func.value, ast.Name) and node.value.func.value.id == "__all__"):
             names = (names or []) + list(ast.literal_eval(node.value.args[0]))
     return None if names is None else frozenset(names)
+
+
+def benchmark_scripts(benchmarks_dir: Path) -> dict[str, Path]:
+    """The files ``kernels benchmark`` runs: ``benchmarks_dir/benchmark*.py``, top level only."""
+    return {p.name: p for p in sorted(Path(benchmarks_dir).glob("benchmark*.py")) if p.is_file()}
+
+
+def published_path_allowed(path: str) -> bool:
+    """Whether a file at ``path`` (relative to the repository root) belongs on a published
+    branch: a variant's file, a top-level ``benchmarks/benchmark*.py``, a file of
+    ``KERNEL_FILE_NAMES``, or what the Hub itself puts on every branch (``README.md`` and
+    ``.gitattributes``, inherited from ``main`` when the branch is created)."""
+    parts = path.split("/")
+    if parts[0] == "build":
+        return len(parts) >= 3 and "__pycache__" not in parts and not path.endswith(".pyc")
+    if parts[0] == "benchmarks":
+        return len(parts) == 2 and parts[1].startswith("benchmark") and parts[1].endswith(".py")
+    return len(parts) == 1 and parts[0] in (*KERNEL_FILE_NAMES, "README.md", ".gitattributes")
 
 
 def _files_under(root: Path) -> dict[str, Path]:
@@ -195,8 +227,10 @@ def _remote_state(api, repo_id: str, commit: str) -> tuple[dict[str, VariantStat
 
 def publish(build_dir: Path, *, endpoint: str, token: str | None, repo_id: str | None = None,
             allow_dirty: bool = False, card: Path | None = CARD_PATH, benchmarks_dir: Path | None = BENCHMARKS_DIR,
-            log: Callable[[str], None] = print) -> PublishResult:
-    """Publish every variant under ``build_dir`` to ``repo_id`` on branch ``v<version>``."""
+            kernel_files: tuple[Path, ...] = KERNEL_FILES, log: Callable[[str], None] = print) -> PublishResult:
+    """Publish every variant under ``build_dir`` to ``repo_id`` on branch ``v<version>``, with
+    the benchmark scripts of ``benchmarks_dir`` and those of ``kernel_files`` that exist
+    (None / ``()``: none), and ``card`` as ``README.md`` on ``main``."""
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -226,9 +260,12 @@ def publish(build_dir: Path, *, endpoint: str, token: str | None, repo_id: str |
         for name, (path, _) in local.items():
             served = remote[name].files if name in remote else frozenset()
             operations += _replace_folder(f"build/{name}", _files_under(path), {f"build/{name}/{f}" for f in served})
-        if benchmarks_dir is not None and Path(benchmarks_dir).is_dir():
-            operations += _replace_folder("benchmarks", _files_under(Path(benchmarks_dir)),
+        if benchmarks_dir is not None:
+            operations += _replace_folder("benchmarks", benchmark_scripts(benchmarks_dir),
                                           remote_files.get("benchmarks", set()))
+        for path in kernel_files:
+            if Path(path).is_file():
+                operations.append(CommitOperationAdd(path_in_repo=Path(path).name, path_or_fileobj=str(path)))
         log(f"publish: {repo_id}@{branch} <- {', '.join(local)} "
             f"({sum(isinstance(op, CommitOperationAdd) for op in operations)} files, "
             f"{sum(isinstance(op, CommitOperationDelete) for op in operations)} stale removed)")

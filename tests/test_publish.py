@@ -4,6 +4,7 @@ version-bump rule, on minimal variants (the real kernel is published in test_e2e
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from huggingface_hub import CommitOperationAdd, HfApi
@@ -68,11 +69,14 @@ def test_publish_layout_stale_files_card_and_benchmarks(hub, tmp_path):
     bench = tmp_path / "benchmarks"
     (bench / "results").mkdir(parents=True)
     (bench / "results" / "run.csv").write_text("provider,x\n")
+    (bench / "benchmark.py").write_text("# timed by kernels benchmark\n")
+    (bench / "train_trl.py").write_text("# a developer script\n")
     first = _publish(hub, build, repo, card=card, benchmarks_dir=bench)
     assert (first.branch, first.version, first.variants) == ("v1", 1, ("torch-cpu",))
     files = _files(hub, repo, "v1")
     assert {"build/torch-cpu/__init__.py", "build/torch-cpu/_ops.py", "build/torch-cpu/metadata.json",
-            "build/torch-cpu/old_helper.py", "benchmarks/results/run.csv"} <= files
+            "build/torch-cpu/old_helper.py", "benchmarks/benchmark.py"} <= files
+    assert not {"benchmarks/results/run.csv", "benchmarks/train_trl.py"} & files
     assert "README.md" in _files(hub, repo, "main")
 
     # Another variant on the branch (published from another machine) must survive a re-publish
@@ -87,6 +91,36 @@ def test_publish_layout_stale_files_card_and_benchmarks(hub, tmp_path):
     assert "build/torch-cpu/old_helper.py" not in files
     assert "build/torch-cuda/metadata.json" in files
     assert again.commit != first.commit
+
+
+# What a published branch may hold (STYLE.md 14), written out here rather than taken from
+# publish.py, so a rule that drifts there fails this test.
+SERVED = re.compile(r"build/torch-cpu/[^/]+|benchmarks/benchmark[^/]*\.py|README\.md|\.gitattributes"
+                    r"|build\.toml|flake\.nix|flake\.lock|LICENSE")
+
+
+@pytest.mark.kernels_ci
+def test_published_branch_holds_only_what_a_kernel_repository_serves(hub, tmp_path):
+    """Publish with the defaults ``release`` uses (this repository's card, benchmarks/ and build
+    files) onto a branch that an older upload littered with run logs, and list the branch."""
+    repo = "flash-attn-hub/publish-served"
+    api = HfApi(endpoint=hub.endpoint, token=TOKEN)
+    api.create_repo(repo, repo_type="kernel")
+    api.create_branch(repo, branch="v1", repo_type="kernel")
+    litter = ["benchmarks/NOTES.md", "benchmarks/results/run-1/RESULTS.md", "benchmarks/plots/a.png",
+              "benchmarks/benchmark_retired.py", "benchmarks/old/benchmark.py"]
+    api.create_commit(repo, [CommitOperationAdd(path, b"x\n") for path in litter], repo_type="kernel",
+                      revision="v1", commit_message="an older upload")
+    build = tmp_path / "build"
+    variant = dummy_variant(build, version=1, uid="served1")
+    (variant / "__pycache__").mkdir()
+    (variant / "__pycache__" / "_ops.cpython-311.pyc").write_bytes(b"\0")
+    publish(build, endpoint=hub.endpoint, token=TOKEN, repo_id=repo, log=lambda _: None)
+
+    files = _files(hub, repo, "v1")
+    assert sorted(f for f in files if not SERVED.fullmatch(f)) == []
+    assert {"build/torch-cpu/metadata.json", "benchmarks/benchmark.py", "build.toml", "flake.nix"} <= files
+    assert _files(hub, repo, "main") == {".gitattributes", "README.md"}
 
 
 @pytest.mark.kernels_ci
