@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flash_attn_hub.bench import env as bench_env
-from flash_attn_hub.bench import markdown, report, runner, timing
+from flash_attn_hub.bench import report, runner, timing
 from flash_attn_hub.bench.providers import FlashAttention4, Ours, Prepared, Sdpa, make_providers, sdpa_forward
 from flash_attn_hub.bench.workloads import (ALL_GRIDS, Workload, attention_flops, grid_names, grid_workloads,
                                             make_inputs, packed_lengths, visible_pairs)
