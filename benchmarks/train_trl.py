@@ -37,7 +37,7 @@ Per implementation: tokens/s (after ``--warmup-steps``), peak memory, the loss c
 Written to ``--out`` (default ``$OUT/train``, else ``train/`` in the system's temporary
 folder; never into the source tree): ``train.json``, ``loss.png``, ``TRAIN.md``.
 
-Distributed (``accelerate launch``/``torchrun``, one process per GPU; ``scripts/multi_gpu.sh``
+Distributed (``accelerate launch``/``torchrun``, one process per GPU; ``tools/multi_gpu.sh``
 runs it with FSDP2): every rank trains on its own shard of the same packed data (each step is
 ``world_size`` rows of ``batch_size * max_length`` tokens), the logged loss is the mean over
 ranks, tokens/s is the global count (transformers gathers it) and per GPU that divided by

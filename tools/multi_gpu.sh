@@ -3,7 +3,7 @@
 # (accelerate launch --config_file benchmarks/fsdp2.yaml), every rank loading the kernel
 # from an embedded Hub on 127.0.0.1 that this script starts and publishes to:
 #
-#   bash scripts/multi_gpu.sh [--cpu] [--local] [-- <train_trl.py arguments>]
+#   bash tools/multi_gpu.sh [--cpu] [--local] [-- <train_trl.py arguments>]
 #
 #   --cpu    no GPU: the noarch torch-cpu variant, gloo, --tiny (a smoke test of the same path;
 #            accelerate has no FSDP on CPU, so it trains with DDP and the results say so)
@@ -14,7 +14,7 @@
 # "--backend cuda"), TRAIN_TIMEOUT (seconds, default 480).
 # Results: $OUT/train/{train.json,TRAIN.md,loss.png} (train.json holds every rank's numbers
 # under results[i].ranks), logs in $OUT/*.log. Python packages the GPU image lacks are
-# installed from the wheels in .whl/ into /tmp/site, as scripts/gpu_run.sh's setup does.
+# installed from the wheels in .whl/ into /tmp/site, as tools/gpu_run.sh's setup does.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
