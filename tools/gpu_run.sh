@@ -16,8 +16,9 @@
 # sanitize  compute-sanitizer's memcheck, racecheck and synccheck on the tests marked sanitize.
 # bench     python -m flash_attn_hub bench (the release grid unless BENCH_ARGS says otherwise)
 #           into $BENCH_PAGE (default /tmp/bench-page: it outlives the call on a warm machine),
-#           archived to $OUT/bench.tgz; unpacked into benchmarks/ it is the release page. A full
-#           run in two calls: BENCH_ARGS="--head-dims 64,128", then "--head-dims 256 --append".
+#           archived to $OUT/bench.tgz; unpacked into benchmarks/ it is the release page. The
+#           release grid takes one call per head dim: BENCH_ARGS="--head-dims 64", then
+#           "--head-dims 128 --append", "--head-dims 256 --append" (each call runs setup too).
 # hub       python -m flash_attn_hub release: build, check, publish to an embedded Hub, verify.
 # train     benchmarks/train_trl.py, loading ours from the embedded Hub that hub published to
 #           (run hub first); TRAIN_ARGS adds flags.

@@ -2,15 +2,19 @@
 FlexAttention, FlashAttention-4, flash-attn 2 / 3 when installed), measured in one process,
 verified against ``flash_attn_hub.reference`` first, written as a results page.
 
-    python -m flash_attn_hub bench --into benchmarks/             # the release grid (GPU)
-    python -m flash_attn_hub bench --into benchmarks/ --head-dims 64,128          # a full run in
-    python -m flash_attn_hub bench --into benchmarks/ --head-dims 256 --append    # two commands
+    python -m flash_attn_hub bench --into benchmarks/                          # the release grid (GPU)
+    python -m flash_attn_hub bench --into benchmarks/ --head-dims 64            # the same, one head
+    python -m flash_attn_hub bench --into benchmarks/ --head-dims 128 --append  # dim per command
+    python -m flash_attn_hub bench --into benchmarks/ --head-dims 256 --append
     python -m flash_attn_hub bench --into /tmp/b --grid varlen --modes fwd --providers ours-triton,flex
 
 The page (``report.py``): ``RESULTS.md``, ``results.csv`` and ``plots/*.png`` in ``--into``,
 replacing what was there; ``--append`` adds to it instead. The release page is
-``benchmarks/``: measure every grid of the release there, with the GPU, torch, triton, cuDNN,
-FlashAttention-4 and git sha recorded in it.
+``benchmarks/``, with the GPU, torch, triton, cuDNN, FlashAttention-4 and git sha recorded in
+it. The release grid is 30 workloads per head dim; with every provider, FlexAttention
+compiling one graph per shape, that is several minutes per head dim on an H100 or H200
+(estimated from earlier runs, 7-8), so a GPU machine that stops a command after 10 minutes
+takes one command per head dim.
 
 Our package is loaded the way users load it, through ``kernels``: a local build
 (``--kernel-dir``, default ``build/``, built with ``build_variant`` when missing) or a Hub
