@@ -345,9 +345,13 @@ def test_cli_on_cpu(flash_attn, tmp_path, capsys, monkeypatch):
     assert main([*args, "--modes", "bwd", "--match", "s256-full", "--append"]) == 0
     records, _ = report.load(into)
     assert {(r["mode"], r["seqlen_k"]) for r in records} == {("fwd", 128), ("bwd", 256)}
+    (into / "notes.txt").write_text("not the page's")
     assert main([*args, "--modes", "fwd", "--match", "s256-full"]) == 0  # without --append: replaced
     records, _ = report.load(into)
     assert {(r["mode"], r["seqlen_k"]) for r in records} == {("fwd", 256)}
+    assert (into / "notes.txt").exists() and (into / "RESULTS.md").exists()
+    report.clear_page(into)
+    assert sorted(p.name for p in into.rglob("*") if p.is_file()) == ["notes.txt"]
     assert main([*args, "--append", "--into", str(tmp_path / "empty")]) == 2
     assert "no results.csv" in capsys.readouterr().out
     assert main(["bench", "--kernel-dir", str(tmp_path / "no-build"), "--into", str(tmp_path / "x")]) == 2

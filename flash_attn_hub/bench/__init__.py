@@ -135,7 +135,7 @@ def run(args) -> int:
 
     from .env import environment, git_sha
     from .providers import CPU_DEFAULT, GPU_DEFAULT, make_providers
-    from .report import PageError, combine, load, mismatches, write_data, write_page
+    from .report import PageError, clear_page, combine, load, mismatches, write_data, write_page
     from .runner import available, run_suite
     from .timing import Timing
     from .workloads import grid_names, grid_workloads
@@ -189,6 +189,8 @@ def run(args) -> int:
         return 2
     providers = make_providers(names, ours, reason, explicit=args.providers is not None)
     usable, unavailable = available(providers, device)
+    if not args.append:
+        clear_page(args.into)
     print(f"{len(workloads)} workloads x {len(usable)} providers ({', '.join(p.name for p in usable)}), "
           f"modes {','.join(args.modes)}", flush=True)
     start = time.perf_counter()

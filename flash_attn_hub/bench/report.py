@@ -114,16 +114,23 @@ def write_data(into: Path, records: list[dict], skips: list[dict]) -> Path:
     return path
 
 
+def clear_page(into: Path) -> None:
+    """Remove the page in ``into`` (RESULTS.md, results.csv, plots/*.png), nothing else: a run
+    that replaces it and is stopped half-way leaves no page describing other numbers."""
+    into = Path(into)
+    for path in [into / RESULTS_MD, into / RESULTS_CSV, *(into / PLOTS).glob("*.png")]:
+        path.unlink(missing_ok=True)
+
+
 def write_page(into: Path, records: list[dict], skips: list[dict], *, title: str = "Attention benchmark") -> Path:
     """The whole page in ``into``: results.csv, the plots (the old ones removed) and
     RESULTS.md; returns RESULTS.md's path."""
     into = Path(into)
     write_data(into, records, skips)
-    plots_dir = into / PLOTS
-    for old in plots_dir.glob("*.png") if plots_dir.is_dir() else []:
+    for old in (into / PLOTS).glob("*.png"):
         old.unlink()
     env = env_of(records)
-    plots = plot(plots_dir, records, env) if records else []
+    plots = plot(into / PLOTS, records, env) if records else []
     path = into / RESULTS_MD
     path.write_text(markdown(records, skips, env, plots, into, title))
     return path
