@@ -7,15 +7,13 @@ The runner loads the kernel itself (``self.kernel``), calls ``setup_<name>``, co
 ``self.out`` after ``benchmark_<name>`` with the tensor ``verify_<name>`` returns
 (``torch.allclose(atol=1e-2)``), then times ``benchmark_<name>``.
 
-This script runs from a Hub snapshot, where only torch and kernels exist, so the expected
-values come from PyTorch's math SDPA in float32 (bottom-right aligned causal mask, GQA by
-head index), not from the repository's test oracle. Inputs are fp16: with the runner's
+This script is part of what a kernel repository serves: it runs from a Hub snapshot, where
+only torch and kernels exist, so it stands alone (the runner does the timing) and its
+expected values come from PyTorch's math SDPA in float32 (bottom-right aligned causal mask,
+GQA by head index), not from the repository's oracle. Inputs are fp16: with the runner's
 absolute tolerance, bf16 rounding alone (1/128 relative) would fail outputs above ~1.
 The project's own benchmark with peers, FLOP rates and plots is
-``python -m flash_attn_hub bench``; it imports the two calling conventions defined here
-(:func:`flash_attn_forward`, :func:`sdpa_forward`), because this file is the one both
-benchmarks can see: a Hub snapshot holds ``build/`` and ``benchmarks/``, not the
-repository's ``flash_attn_hub`` package.
+``python -m flash_attn_hub bench`` (the repository's tooling, never shipped).
 """
 
 from __future__ import annotations

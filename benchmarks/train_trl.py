@@ -1,7 +1,7 @@
 """End-to-end SFT benchmark: TRL's SFTTrainer on a Qwen2.5-0.5B-shaped model, one run per
 attention implementation, same seed, same packed data.
 
-    python benchmarks/train_trl.py --out results/train                     # GPU defaults
+    python benchmarks/train_trl.py --out /tmp/train                        # GPU defaults
     python benchmarks/train_trl.py --impls ours,sdpa --kernel-dir build    # a local build
     python benchmarks/train_trl.py --endpoint http://127.0.0.1:8000        # an embedded Hub
     python benchmarks/train_trl.py --tiny                                  # CPU smoke test
@@ -34,10 +34,10 @@ gives SDPA and FlexAttention as a mask; SDPA's flash backend takes no mask, so
 ``sdpa-flash`` is expected to fail on packed data, and the failure is recorded.
 
 Per implementation: tokens/s (after ``--warmup-steps``), peak memory, the loss curve.
-Written to ``--out`` (default ``$OUT/train`` or ``benchmarks/results/train-<date>``):
-``train.json``, ``loss.png``, ``TRAIN.md``.
+Written to ``--out`` (default ``$OUT/train``, else ``train/`` in the system's temporary
+folder; never into the source tree): ``train.json``, ``loss.png``, ``TRAIN.md``.
 
-Distributed (``accelerate launch``/``torchrun``, one process per GPU; ``scripts/multi_gpu.sh``
+Distributed (``accelerate launch``/``torchrun``, one process per GPU; ``tools/multi_gpu.sh``
 runs it with FSDP2): every rank trains on its own shard of the same packed data (each step is
 ``world_size`` rows of ``batch_size * max_length`` tokens), the logged loss is the mean over
 ranks, tokens/s is the global count (transformers gathers it) and per GPU that divided by
@@ -459,9 +459,7 @@ def main(argv=None) -> int:
         return 2
     if not cuda:
         say("No CUDA GPU: running on CPU (smoke test; tokens/s here say nothing about a GPU).", flush=True)
-    out = args.out or (Path(os.environ["OUT"]) / "train" if os.environ.get("OUT") else
-                       Path(__file__).resolve().parent / "results" /
-                       f"train-{datetime.datetime.now():%Y%m%d-%H%M}")
+    out = args.out or Path(os.environ.get("OUT") or tempfile.gettempdir()) / "train"
     docs = make_documents(args, ranks.world_size)
     dataset = Dataset.from_dict({"input_ids": docs})
     tokenizer = make_tokenizer(args.vocab)

@@ -20,6 +20,7 @@ COMMANDS = {
     "verify": "flash_attn_hub.verify",
     "release": "flash_attn_hub.release",
     "bench": "flash_attn_hub.bench",
+    "tune": "flash_attn_hub.tune",
 }
 
 

@@ -1,14 +1,12 @@
-"""The benchmark: FLOP counting, grids, ratios, record schema, the commit field, the time
-estimate and its split into commands, merging runs, the Markdown tables, and the tiny CPU
-path end to end."""
+"""The benchmark: FLOP counting, grids, ratios, record schema, the commit field, the timer,
+the results page (written, read back, added to), the Markdown tables, and the tiny CPU path
+end to end."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
-import tarfile
 import types
 from pathlib import Path
 
@@ -16,15 +14,15 @@ import pytest
 import torch
 
 from flash_attn_hub.bench import env as bench_env
-from flash_attn_hub.bench import markdown, plan, report, runner
-from flash_attn_hub.bench.providers import Ours, Prepared, Sdpa, hub_benchmark, make_providers
+from flash_attn_hub.bench import report, runner, timing
+from flash_attn_hub.bench.providers import FlashAttention4, Ours, Prepared, Sdpa, make_providers, sdpa_forward
 from flash_attn_hub.bench.workloads import (ALL_GRIDS, Workload, attention_flops, grid_names, grid_workloads,
-                                            packed_lengths, visible_pairs)
+                                            make_inputs, packed_lengths, visible_pairs)
 from flash_attn_hub.reference import attention_reference, visible_mask
 
 REQUIRED = ("provider", "workload", "mode", "dtype", "batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv",
             "head_dim", "causal", "ms_p20", "ms_p50", "ms_p80", "tflops", "ratio_to_best_peer", "peak_mem_bytes",
-            "gpu", "driver", "torch", "cuda", "cudnn", "triton", "git_sha", "date")
+            "gpu", "driver", "torch", "cuda", "cudnn", "triton", "fa4", "git_sha", "date")
 
 
 @pytest.mark.kernels_ci
@@ -64,25 +62,27 @@ def test_windowed_and_varlen_flops():
 
 
 @pytest.mark.kernels_ci
-def test_standard_grid_is_the_anchor_grid():
-    grid = grid_workloads("standard")
-    assert len(grid) == 6 * 3 * 2
-    assert all(w.batch * w.seqlen_q == 16384 for w in grid)
-    assert {(w.head_dim, w.heads_q) for w in grid} == {(64, 32), (128, 16), (256, 8)}
-    assert {w.seqlen_q for w in grid_workloads("standard", seqlens=[1024, 4096], head_dims=[128])} == {1024, 4096}
+def test_main_grid_is_the_release_grid():
+    """D 64/128/256 x MHA 32/32, GQA 32/8, Llama 64/8 x full/causal x S 512..16k, 16k tokens."""
+    grid = grid_workloads("main")
+    assert len(grid) == 3 * 3 * 2 * 5
+    assert all(w.batch * w.seqlen_q == 16384 and w.seqlen_q == w.seqlen_k for w in grid)
+    assert {(w.head_dim, w.heads_q, w.heads_kv) for w in grid} == {
+        (d, hq, hkv) for d in (64, 128, 256) for hq, hkv in ((32, 32), (32, 8), (64, 8))}
+    assert {w.seqlen_q for w in grid} == {512, 1024, 4096, 8192, 16384}
+    llama = [w for w in grid if w.heads_q == 64 and w.seqlen_q == 8192]
+    assert {w.batch for w in llama} == {2}
+    assert {w.seqlen_q for w in grid_workloads("main", seqlens=[1024, 4096], head_dims=[128])} == {1024, 4096}
 
 
 @pytest.mark.kernels_ci
 def test_grids_cover_the_issue_workloads():
-    assert grid_names("all") == list(ALL_GRIDS) == ["standard", "gqa", "varlen", "decode", "window",
-                                                    "wide"]
-    assert grid_names("gqa, decode,gqa") == ["gqa", "decode"]
+    assert grid_names("all") == list(ALL_GRIDS) == ["main", "varlen", "decode", "window"]
+    assert grid_names("varlen, decode,varlen") == ["varlen", "decode"]
     with pytest.raises(ValueError, match="'nope' is not one of"):
-        grid_names("gqa,nope")
+        grid_names("varlen,nope")
     every = grid_workloads("all")
-    assert len({w.name for w in every}) == len(every)  # names key the merge of split runs
-    gqa = grid_workloads("gqa")
-    assert {(w.heads_q, w.heads_kv, w.head_dim) for w in gqa} == {(32, 8, 128), (32, 1, 128)}
+    assert len({w.name for w in every}) == len(every)  # names key the rows of a page added to
     varlen = grid_workloads("varlen")
     assert {w.mix for w in varlen} == {"sft", "longtail"} and all(w.total_tokens_q == 16384 for w in varlen)
     assert any(w.gqa for w in varlen) and max(w.seqlen_q for w in varlen if w.mix == "longtail") > 4096
@@ -91,10 +91,8 @@ def test_grids_cover_the_issue_workloads():
     assert max(w.seqlen_k for w in decode) == 131072
     assert {w.batch for w in decode} == {4, 64}  # small batch, and a serving-sized one
     assert all(w.windowed for w in grid_workloads("window"))
-    assert {(w.head_dim, w.heads_q, w.heads_kv) for w in grid_workloads("wide")} == {
-        (192, 16, 16), (256, 16, 8)}
-    picked = grid_workloads("gqa,window", seqlens=[16384], head_dims=[128], match="h32-8")
-    assert [w.name for w in picked] == ["gqa-d128-h32-8-b1-s16384-full", "gqa-d128-h32-8-b1-s16384-causal",
+    picked = grid_workloads("main,window", seqlens=[16384], head_dims=[128], match="h32-8")
+    assert [w.name for w in picked] == ["main-d128-h32-8-b1-s16384-full", "main-d128-h32-8-b1-s16384-causal",
                                         "window-d128-h32-8-b1-s16384-causal-w4095.0"]
 
 
@@ -112,34 +110,19 @@ def test_ours_providers_force_their_backend():
 
 
 @pytest.mark.kernels_ci
-def test_split_commands_fit_the_limit_and_select_exactly_their_workloads():
-    workloads = grid_workloads("all")
-    providers = make_providers(["ours-triton", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex"], None)
-    cost = {w.name: plan.workload_s(w, providers, ["fwd", "bwd", "fwd_bwd"]) for w in workloads}
-    assert all(cost[w.name] > 0 for w in workloads)
-    limit = 0.3 * sum(cost.values())  # forces whole grids, head dims and lengths to be split
-    chunks = plan.split(workloads, cost, limit)
-    seen = []
-    for chunk in chunks:
-        assert chunk.seconds <= limit
-        args = chunk.args()
-        picked = grid_workloads(args[1], head_dims=chunk.head_dims, seqlens=chunk.seqlens)
-        assert [w.name for w in picked] == [w.name for w in chunk.workloads], args
-        seen += [w.name for w in picked]
-    assert sorted(seen) == sorted(cost)
-    small = plan.split(workloads, {n: 1.0 for n in cost}, limit_s=1e9)
-    assert [c.args() for c in small] == [["--grid", ",".join(ALL_GRIDS)]]
+def test_cpu_timer_reports_ordered_quantiles_and_clears_gradients():
+    leaf = torch.ones(3, requires_grad=True)
+    calls = []
 
+    def fn():
+        assert leaf.grad is None  # cleared before every timed call
+        calls.append(1)
+        (leaf * 2).sum().backward()
 
-def test_dry_run_prints_the_estimate_and_the_split(capsys):
-    from flash_attn_hub.cli import main
-    assert main(["bench", "--grid", "all", "--head-dims", "128", "--modes", "fwd,bwd", "--dry-run",
-                 "--split-s", "120"]) == 0
-    out = capsys.readouterr().out
-    assert "on an H200" in out and "as commands of at most ~2.0 min" in out
-    commands = [line for line in out.splitlines() if line.startswith("  python -m flash_attn_hub bench")]
-    assert len(commands) > 1 and all("--modes fwd,bwd" in c and "--head-dims 128" in c for c in commands)
-    assert "bench merge" in out
+    p20, p50, p80 = timing.quantiles(fn, device="cpu", grad_to_none=[leaf],
+                                     timing=timing.Timing(warmup_ms=0, rep_ms=0))
+    assert 0 <= p20 <= p50 <= p80 and len(calls) >= 6  # one untimed call, then at least five
+    assert timing.median_ms(lambda: None, device=torch.device("cpu")) >= 0
 
 
 @pytest.mark.kernels_ci
@@ -172,14 +155,39 @@ def test_unvalidated_cuda_backend_is_skipped_unless_asked_for(monkeypatch):
 
 @pytest.mark.kernels_ci
 @pytest.mark.parametrize("sq, sk, hq, hkv", [(1, 300, 8, 2), (37, 90, 4, 4), (64, 64, 6, 1)])
-def test_shared_sdpa_call_has_flash_attn_semantics(sq, sk, hq, hkv):
-    """The SDPA call both benchmarks use (benchmarks/benchmark.py): bottom-right causal, GQA."""
+def test_sdpa_call_has_flash_attn_semantics(sq, sk, hq, hkv):
+    """The SDPA peers' call: bottom-right causal, GQA by head index."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, s, h, 32, generator=gen, dtype=torch.float64)
                for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
-    got = hub_benchmark().sdpa_forward(q, k, v, causal=True)
+    got = sdpa_forward(q, k, v, causal=True)
     want, _ = attention_reference(q, k, v, causal=True)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.kernels_ci
+def test_fa4_is_called_with_its_own_conventions(monkeypatch):
+    """FlashAttention-4 takes unbounded window sides as None, returns (out, lse), and names its
+    varlen arguments; without the package it is unavailable with the reason."""
+    calls = []
+    fake = types.SimpleNamespace(
+        flash_attn_func=lambda q, k, v, **kw: calls.append(("batched", kw)) or (q, None),
+        flash_attn_varlen_func=lambda q, k, v, **kw: calls.append(("varlen", kw)) or (q, None))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", fake)
+    fa4 = FlashAttention4()
+    assert fa4.unavailable() is None
+    w = Workload("t", 1, 4, 4, 2, 2, 8, True, window_left=2)
+    x = make_inputs(w, device="cpu", dtype=torch.float32, seed=0)
+    assert fa4.prepare(w, x).fwd() is x.q
+    assert calls[-1] == ("batched", {"causal": True, "window_size": (2, 0)})
+    v = Workload("t", 2, 5, 5, 2, 1, 8, False, seqlens=(3, 5))
+    xv = make_inputs(v, device="cpu", dtype=torch.float32, seed=0)
+    assert fa4.prepare(v, xv).fwd() is xv.q
+    kind, kw = calls[-1]
+    assert kind == "varlen" and kw["window_size"] == (None, None) and kw["max_seqlen_q"] == 5
+    assert kw["cu_seqlens_q"].tolist() == [0, 3, 8]
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # not installed
+    assert "flash-attn-4" in FlashAttention4().unavailable()
 
 
 def _record(provider, tflops, workload="w", mode="fwd"):
@@ -202,11 +210,13 @@ def test_ratio_is_against_the_best_peer_of_the_same_workload_and_mode():
 
 
 @pytest.mark.kernels_ci
-def test_merge_replaces_remeasured_groups_whole():
+def test_append_replaces_remeasured_groups_whole():
     old = [_record("ours-cuda", 1.0), _record("sdpa-cudnn", 2.0), _record("sdpa-cudnn", 3.0, workload="x")]
-    new = [_record("ours-cuda", 5.0)]
-    merged = report.merge(old, new)
-    assert [(r["provider"], r["workload"]) for r in merged] == [("sdpa-cudnn", "x"), ("ours-cuda", "w")]
+    old_skips = [{"provider": "flex", "workload": "w", "mode": "all", "reason": "old"},
+                 {"provider": "flex", "workload": "y", "mode": "all", "reason": "kept"}]
+    records, skips = report.combine(old, old_skips, [_record("ours-cuda", 5.0)], [])
+    assert [(r["provider"], r["workload"]) for r in records] == [("sdpa-cudnn", "x"), ("ours-cuda", "w")]
+    assert [s["reason"] for s in skips] == ["kept"]  # w was measured again
 
 
 class _Altered(Sdpa):
@@ -232,13 +242,12 @@ def test_tiny_cpu_suite_end_to_end(flash_attn, tmp_path):
         _Altered("wrong", lambda out: out * 1.05),  # 5% off: verification must refuse to time it
         _Altered("fwd-only", torch.Tensor.detach),  # no backward: forward timed, backward modes skipped
     ]
-    timing = runner.Timing(warmup_ms=1, rep_ms=3)
     saved = []
     result = runner.run_suite(workloads, providers, ["fwd", "bwd", "fwd_bwd"], device=torch.device("cpu"),
-                              timing=timing, ours_module=flash_attn, progress=False,
-                              on_workload=lambda r: saved.append(len(r.records)))
-    records, skips, env = result.records, result.skips, result.env
-    assert saved == [7, 14, 21] and set(result.seconds) == {w.name for w in workloads} and not result.not_run
+                              timing=timing.Timing(warmup_ms=1, rep_ms=3), ours_module=flash_attn,
+                              progress=False, on_workload=lambda r: saved.append(len(r.records)))
+    records, skips = result.records, result.skips
+    assert saved == [7, 14, 21] and set(result.seconds) == {w.name for w in workloads}
     assert {r["provider"] for r in records} == {"ours-cpu", "sdpa-math", "sdpa-math-padded", "fwd-only"}
     assert len(records) == 2 * 3 * len(workloads) + len(workloads)
     assert {r["mode"] for r in records if r["provider"] == "fwd-only"} == {"fwd"}
@@ -254,17 +263,12 @@ def test_tiny_cpu_suite_end_to_end(flash_attn, tmp_path):
         assert r["ratio_to_best_peer"] > 0 and not r["best_peer"].startswith("ours")
         assert math.isfinite(r["verify_err_out"]) and math.isfinite(r["verify_err_grad"])
         assert r["git_sha"]  # never empty: a sha or "unknown"
-    run = report.Run(records, [report.skip_dict(s) for s in skips], [{"grids": ["cpu"], "env": env}])
-    summary = report.write_run(tmp_path / "run", run)
+    skip_rows = [{"provider": s.provider, "workload": s.workload, "mode": s.mode, "reason": s.reason}
+                 for s in skips]
+    summary = report.write_page(tmp_path / "page", records, skip_rows)
     assert "GPU numbers need a GPU" in summary.read_text()
-    assert len(json.loads((tmp_path / "run" / "results.json").read_text())) == len(records)
-    assert (tmp_path / "run" / "results.csv").read_text().count("\n") == len(records) + 1
-    assert list((tmp_path / "run" / "plots").glob("*.png"))
-    assert (tmp_path / "INDEX.md").exists()
-
-    stopped = runner.run_suite(workloads, make_providers(["sdpa-math"], None), ["fwd"], device=torch.device("cpu"),
-                               timing=timing, progress=False, keep_going=lambda w, elapsed: w is workloads[0])
-    assert stopped.not_run == [w.name for w in workloads[1:]] and len(stopped.records) == 1
+    assert report.load(tmp_path / "page") == (records, skip_rows)  # the CSV reads back exactly
+    assert [p.name for p in (tmp_path / "page" / "plots").glob("*.png")] == ["cpu-d64.png"]
 
 
 def _gqa_records(env, *, ours_mib, flash_mib, ours_tflops=300.0):
@@ -282,74 +286,73 @@ def _gqa_records(env, *, ours_mib, flash_mib, ours_tflops=300.0):
     ])
 
 
-def _write(run_dir, records, env, argv):
-    run = report.Run(records, [], [{"argv": argv, "grids": ["gqa"], "env": env}])
-    report.write_data(run_dir, run)
-    return run
+ENV = dict(gpu="NVIDIA H200", driver="580.95", torch="2.11.0+cu130", cuda="13.0", cudnn="9.19.0", triton="3.6.0",
+           kernels="0.17.2", fa4="4.0.0b36", kernel_build="_flash_attn_x", git_sha="1234567",
+           date="2026-12-02T10:00:00+00:00")
 
 
-def test_merge_runs_markdown_and_index(tmp_path):
-    env = dict(gpu="NVIDIA H200", driver="580", torch="2.11.0+cu130", cuda="13.0", cudnn="9.19.0", triton="3.6.0",
-               kernels="0.17.2", kernel_build="_flash_attn_x", git_sha="abc", date="2026-12-02T10:00:00+00:00")
-    later = dict(env, git_sha="def", date="2026-12-02T11:00:00+00:00")
-    _write(tmp_path / "gpu" / "a", _gqa_records(env, ours_mib=100, flash_mib=400), env, ["bench", "--grid", "gqa"])
-    _write(tmp_path / "gpu" / "b", _gqa_records(later, ours_mib=120, flash_mib=400, ours_tflops=500.0), later,
-           ["bench", "--grid", "gqa", "--seqlens", "4k"])
-    archive = tmp_path / "bench.tgz"  # what a GPU machine returns
-    with tarfile.open(archive, "w:gz") as tar:
-        tar.add(tmp_path / "gpu" / "b", arcname="bench/b")
-    into = tmp_path / "results" / "merged"
-    summary = report.merge_sources([tmp_path / "gpu" / "a", archive], into, log=lambda _: None)
-    merged = report.load_run(into)
-    assert len(merged.records) == 3 and {r["git_sha"] for r in merged.records} == {"def"}  # newer run wins whole
-    assert [p["source"] for p in merged.parts] == ["a", "b"]
-    ours = next(r for r in merged.records if r["provider"] == "ours-triton")
+def test_page_is_replaced_or_added_to(tmp_path):
+    """A page holds one run: writing replaces it (plots too); a second command adds its workloads,
+    re-measured groups replacing the old ones whole; rows from another GPU are refused."""
+    into = tmp_path / "benchmarks"
+    stale = into / "plots" / "old-grid-d64.png"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"")
+    first = _gqa_records(ENV, ours_mib=100, flash_mib=400)
+    report.write_page(into, first, [{"provider": "fa4", "workload": "all", "mode": "all", "reason": "no FA4"}])
+    assert not stale.exists() and [p.name for p in (into / "plots").glob("*.png")] == ["gqa-d128.png"]
+    records, skips = report.load(into)
+    assert records == first and skips[0]["reason"] == "no FA4"
+    assert records[0]["driver"] == "580.95" and records[0]["git_sha"] == "1234567"  # strings stay strings
+
+    later = dict(ENV, git_sha="89abcde", date="2026-12-02T11:00:00+00:00")
+    page = report.combine(records, skips, _gqa_records(later, ours_mib=120, flash_mib=400, ours_tflops=500.0), [])
+    text = report.write_page(into, *page).read_text()
+    merged, _ = report.load(into)
+    assert len(merged) == 3 and {r["git_sha"] for r in merged} == {"89abcde"}  # the group came whole
+    ours = next(r for r in merged if r["provider"] == "ours-triton")
     assert ours["ratio_to_best_peer"] == pytest.approx(500 / 400) and ours["peak_mem_bytes"] == 120 << 20
-    text = summary.read_text()
     assert "## GQA / MQA backward: peak memory" in text
     assert "| `gqa-d128-h32-8-b4-s4096-causal` | backward | 120 | 800 | 400 | 0.30x |" in text
-    assert "#### `gqa-d128-h32-8-b4-s4096-causal`" in text and "| sdpa-flash | 250 |" in text
-    assert "Measured in 2 commands" in text and "--seqlens 4k" in text
-    assert "| ours-triton / best |" in text and "1.25x" in text
-    index = (tmp_path / "results" / "INDEX.md").read_text()
-    assert "[merged](merged/RESULTS.md)" in index and "cuDNN 9.19.0" in index
-    assert list((into / "plots").glob("*.png"))
-
-    other = dict(env, gpu="NVIDIA A100")
-    _write(tmp_path / "a100", _gqa_records(other, ours_mib=1, flash_mib=1), other, ["bench"])
-    with pytest.raises(report.MergeError, match="gpu"):
-        report.merge_sources([tmp_path / "a100"], into, log=lambda _: None)
-    with pytest.raises(report.MergeError, match="no run folder"):
-        report.find_runs(tmp_path / "results" / "merged" / "plots", tmp_path)
+    assert "| ours-triton / best |" in text and "1.25x" in text and "![gqa-d128](plots/gqa-d128.png)" in text
+    assert "NVIDIA H200" in text and "cuDNN 9.19.0" in text and "triton 3.6.0" in text and "89abcde" in text
+    assert "(flash-attn-4) 4.0" not in text  # installed, but not measured on this page
+    assert report.mismatches(merged, [dict(ENV, gpu="NVIDIA A100")]) == {"gpu": ["NVIDIA H200", "NVIDIA A100"]}
+    with pytest.raises(report.PageError, match="no results.csv"):
+        report.load(tmp_path / "nothing")
 
 
-@pytest.mark.kernels_ci
-def test_side_by_side_table_gives_our_ratio_to_every_peer():
-    env = dict(gpu="g", git_sha="s", date="d")
-    lines = markdown.workload_table(_gqa_records(env, ours_mib=100, flash_mib=400))
-    assert lines[4].startswith("| provider | bwd TFLOP/s | bwd ms | peak MiB bwd | ours-triton vs this (bwd) |")
-    rows = {line.split(" | ")[0].strip("| "): line for line in lines[6:] if line}
-    assert rows["sdpa-flash"].endswith("| 1.20x |") and rows["sdpa-cudnn"].endswith("| 0.75x |")
+def test_page_names_the_fa4_version_it_measured(tmp_path):
+    records = _gqa_records(ENV, ours_mib=100, flash_mib=400)
+    records.append(dict(records[-1], provider="fa4"))
+    text = report.write_page(tmp_path, runner.add_ratios(records), []).read_text()
+    assert "FlashAttention-4 (flash-attn-4) 4.0.0b36" in text
 
 
 def test_cli_on_cpu(flash_attn, tmp_path, capsys, monkeypatch):
     from flash_attn_hub.cli import main
     monkeypatch.setenv(bench_env.GIT_SHA_ENV, "0123456789ab")
     variant = Path(flash_attn.__file__).parent
-    args = ["bench", "--grid", "all", "--kernel-dir", str(variant), "--out", str(tmp_path), "--run-name", "cli",
+    into = tmp_path / "page"
+    args = ["bench", "--grid", "all", "--kernel-dir", str(variant), "--into", str(into),
             "--warmup-ms", "1", "--rep-ms", "2", "--no-progress"]
     assert main([*args, "--modes", "fwd", "--match", "s128"]) == 0
     out = capsys.readouterr().out
     assert "instead of --grid all, the tiny CPU grid runs" in out and "GPU numbers need a GPU" in out
-    records = json.loads((tmp_path / "cli" / "results.json").read_text())
+    records, _ = report.load(into)
     assert {r["provider"] for r in records} >= {"ours-cpu", "sdpa-math"}
     assert {r["mode"] for r in records} == {"fwd"} and {r["git_sha"] for r in records} == {"0123456789ab"}
-    assert main([*args, "--modes", "fwd"]) == 2  # the folder holds a run: refuse to overwrite it
-    assert "--append" in capsys.readouterr().out
     assert main([*args, "--modes", "bwd", "--match", "s256-full", "--append"]) == 0
-    run = report.load_run(tmp_path / "cli")
-    assert {(r["mode"], r["seqlen_k"]) for r in run.records} == {("fwd", 128), ("bwd", 256)}
-    assert len(run.parts) == 2 and all(p["seconds"] for p in run.parts)
-    assert "[cli](cli/RESULTS.md)" in (tmp_path / "INDEX.md").read_text()
-    assert main(["bench", "--kernel-dir", str(tmp_path / "no-build"), "--out", str(tmp_path)]) == 2
+    records, _ = report.load(into)
+    assert {(r["mode"], r["seqlen_k"]) for r in records} == {("fwd", 128), ("bwd", 256)}
+    (into / "notes.txt").write_text("not the page's")
+    assert main([*args, "--modes", "fwd", "--match", "s256-full"]) == 0  # without --append: replaced
+    records, _ = report.load(into)
+    assert {(r["mode"], r["seqlen_k"]) for r in records} == {("fwd", 256)}
+    assert (into / "notes.txt").exists() and (into / "RESULTS.md").exists()
+    report.clear_page(into)
+    assert sorted(p.name for p in into.rglob("*") if p.is_file()) == ["notes.txt"]
+    assert main([*args, "--append", "--into", str(tmp_path / "empty")]) == 2
+    assert "no results.csv" in capsys.readouterr().out
+    assert main(["bench", "--kernel-dir", str(tmp_path / "no-build"), "--into", str(tmp_path / "x")]) == 2
     assert "could not load our kernel" in capsys.readouterr().out

@@ -1,11 +1,13 @@
 """``benchmarks/benchmark.py`` runs under the ``kernels benchmark`` runner (kernels 0.17.2),
 here on CPU with the shapes the script shrinks for a CPU; it stays runnable from a Hub
-snapshot, and the project's harness calls the kernel through it."""
+snapshot, where it stands alone. The project's harness calls our API with the same
+conventions, through its own code."""
 
 from __future__ import annotations
 
 import ast
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -38,12 +40,16 @@ def test_script_imports_only_what_a_hub_snapshot_has():
     assert roots <= {"__future__", "torch", "kernels"} | set(sys.stdlib_module_names), roots
 
 
-def test_harness_calls_the_kernel_through_the_script(monkeypatch):
-    shared = providers.hub_benchmark()
-    assert Path(shared.__file__) == SCRIPT
+def test_harness_calls_our_flash_attn_2_api(monkeypatch):
     calls = []
-    monkeypatch.setattr(shared, "flash_attn_forward", lambda module, q, k, v, **kw: calls.append(kw) or q)
+    module = types.SimpleNamespace(
+        flash_attn_func=lambda q, k, v, **kw: calls.append(kw) or (q, None),
+        flash_attn_varlen_func=lambda q, k, v, cu_q, cu_k, max_q, max_k, **kw: calls.append((max_q, max_k, kw)) or q)
     w = Workload("t", 1, 4, 4, 2, 2, 8, True)
     x = make_inputs(w, device="cpu", dtype=torch.float32, seed=0)
-    assert providers.Ours(object(), "triton").prepare(w, x).fwd() is x.q
+    assert providers.Ours(module, "triton").prepare(w, x).fwd() is x.q  # the tuple's first element
     assert calls == [{"causal": True, "window_size": (-1, 0)}]
+    v = Workload("t", 2, 5, 5, 2, 1, 8, True, seqlens=(3, 5))
+    xv = make_inputs(v, device="cpu", dtype=torch.float32, seed=0)
+    assert providers.Ours(module, "triton").prepare(v, xv).fwd() is xv.q
+    assert calls[-1] == (5, 5, {"causal": True, "window_size": (-1, 0)})

@@ -1,4 +1,4 @@
-"""The multi-GPU training path on two CPU processes: ``scripts/multi_gpu.sh --cpu --local``
+"""The multi-GPU training path on two CPU processes: ``tools/multi_gpu.sh --cpu --local``
 builds the noarch CPU variant, and ``accelerate launch`` (benchmarks/fsdp2.yaml, gloo) runs
 TRL's SFTTrainer in two ranks that each load the kernel through transformers
 (``attn_implementation="<repo>@v3"``, LOCAL_KERNELS) -- the launcher, the config and the
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,9 +36,9 @@ def _gap(curves: dict, impl: str) -> float:
 
 def test_two_cpu_processes_ours_trains_like_sdpa(tmp_path):
     out, build = tmp_path / "out", tmp_path / "build"
-    env = dict(os.environ, OUT=str(out), BUILD_DIR=str(build), NPROC="2", IMPLS="ours,sdpa,eager",
-               OMP_NUM_THREADS="1", TRAIN_TIMEOUT="240")
-    proc = subprocess.run(["bash", "scripts/multi_gpu.sh", "--cpu", "--local", "--", "--steps", str(STEPS)],
+    env = dict(os.environ, PYTHON=sys.executable, OUT=str(out), BUILD_DIR=str(build), NPROC="2",
+               IMPLS="ours,sdpa,eager", OMP_NUM_THREADS="1", TRAIN_TIMEOUT="240")
+    proc = subprocess.run(["bash", "tools/multi_gpu.sh", "--cpu", "--local", "--", "--steps", str(STEPS)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
 

@@ -1,20 +1,20 @@
 """The tile tables of the Triton kernels (`_tuning`): buckets, lookup order, the shipped JSON
-files, and the search of the tuning scripts (`benchmarks/_tune_common.py`). No kernel runs."""
+files, and the search of `python -m flash_attn_hub tune` (`flash_attn_hub/tune/common.py`).
+No kernel runs."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import SOURCE_PACKAGE, source_package, submodule
 
-REPO = Path(__file__).resolve().parents[1]
+from flash_attn_hub.tune import common as tc
+
 
 
 @pytest.fixture(scope="module")
@@ -135,16 +135,7 @@ def test_cpu_call_uses_interpreter_tiles(kernel_module):
         table.defaults[("interpreter", 128)]
 
 
-def _tune_common():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        return importlib.import_module("_tune_common")
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-
-
 def test_search_quick_and_exhaustive():
-    tc = _tune_common()
     space = dict(block_m=(16, 32, 64), block_n=(16, 32), tma=(False, True))
     best_at = Tiles(32, 32, True)
     calls = []
@@ -172,7 +163,6 @@ def test_search_quick_and_exhaustive():
 def test_search_quick_tries_coupled_pairs():
     """A joint optimum that no single-field move reaches from the base (each field alone loses)
     is found by the coupled-pair pass, and only named pairs of fields in the space are tried."""
-    tc = _tune_common()
     space = dict(block_m=(16, 32), block_n=(16, 32), tma=(False, True))
 
     def score(config):  # (32, 32) best; (32, 16) and (16, 32) worse than the base (16, 16)
@@ -193,7 +183,6 @@ def test_search_quick_revisits_a_field_settled_early():
     """A field that lost at the base's other values wins once a later field has moved: the
     quick search's next round tries it again (the D=192 forward's descriptors, settled at 2
     stages and never timed at 3)."""
-    tc = _tune_common()
     space = dict(tma=(False, True), block_n=(16, 32))
 
     def score(config):  # tma helps only with 32-key tiles
@@ -207,20 +196,41 @@ def test_search_quick_revisits_a_field_settled_early():
     assert one.block_n == 16 and len(rounds) == 3  # nothing moved: one round only
 
 
-def test_head_shape_workloads_label_and_count_each_shape():
-    """Both tuning scripts score a config over every head shape: full and causal of each, the
-    causal FLOPs halved, labels naming the heads only when there are several shapes."""
-    tc = _tune_common()
+def test_head_shape_problems_label_and_count_each_shape():
+    """Both kernels score a config over every head shape: full and causal of each, 16k tokens
+    per batch, FLOPs by the benchmark's rule (causal halved, backward 2.5x), labels naming the
+    heads only when there are several shapes."""
     built = []
 
     def problem(heads, causal):
         built.append((heads, causal))
         return type("P", (), {"run": lambda self, config: None})()
 
-    both = tc.head_shape_workloads([(16, 16), (32, 8)], problem, lambda h: 1000.0 * h[0],
-                                   lambda h: dict(heads=list(h)))
-    assert [w.label for w in both] == ["16/16 full", "16/16 causal", "32/8 full", "32/8 causal"]
-    assert [w.flops for w in both] == [16000.0, 8000.0, 32000.0, 16000.0]
-    assert built == [((16, 16), False), ((16, 16), True), ((32, 8), False), ((32, 8), True)]
-    one = tc.head_shape_workloads([(8, 8)], problem, lambda h: 1.0, lambda h: {})
-    assert [w.label for w in one] == ["full", "causal"]
+    both = tc.head_shape_problems([(16, 16), (32, 8)], problem, seqlen=4096, head_dim=128, mode="bwd")
+    assert [p.label for p in both] == ["16/16 full", "16/16 causal", "32/8 full", "32/8 causal"]
+    full = 4 * 4 * 4096 * 4096 * 128  # B=4 at S=4096
+    assert [p.flops for p in both] == [2.5 * 16 * full, 2.5 * 8 * full, 2.5 * 32 * full, 2.5 * 16 * full]
+    assert [p.workload for p in both] == [tc.tuning_workload(4, 4096, h, 128, c) for h, c in built]
+    assert both[2].shape == dict(head_dim=128, heads=[32, 8], batch=4, seqlen=4096)
+    one = tc.head_shape_problems([(8, 8)], problem, seqlen=16384, head_dim=64, mode="fwd")
+    assert [p.label for p in one] == ["full", "causal"] and one[0].workload.batch == 1
+
+
+def test_command_line_and_where_tuned_tables_go(tmp_path):
+    import argparse
+    from flash_attn_hub.tune import bwd
+
+    parser = argparse.ArgumentParser()
+    tc.add_arguments(parser, sorted(bwd.HEADS))
+    args = tc.finish_arguments(parser.parse_args(["--quick", "--space", "atomic_dq=0,1", "--heads", "32/8"]),
+                               sorted(bwd.HEADS))
+    assert (args.head_dims, args.seqlens, args.space, args.heads) == ([128], [4096], {"atomic_dq": (0, 1)}, [(32, 8)])
+    assert tc.finish_arguments(parser.parse_args([]), [64, 128]).seqlens == [1024, 4096, 16384]
+    for bad in (["--space", "atomic_dq"], ["--space", "atomic_dq=yes"], ["--heads", "32/5"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+    # a table of a loaded build is written back to the source tree, which the next build ships
+    package = type(sys)("built")
+    package.__file__ = str(tmp_path / "torch-cuda" / "__init__.py")
+    assert tc.source_path(package, tmp_path / "torch-cuda" / "triton_bwd_configs.json") == \
+        SOURCE_PACKAGE / "triton_bwd_configs.json"

@@ -6,7 +6,9 @@
   (``[torch].src`` and every ``[kernel.*].src``), so no source change skips the build;
 * the GPU test matrix lists exactly the CUDA variants ``build.toml`` produces, named the way
   the build tooling names them (``flash_attn_hub.variant``);
-* ``flake.nix`` stays kernel-builder's template (parsed, not compared byte for byte).
+* ``flake.nix`` stays kernel-builder's template (parsed, not compared byte for byte);
+* every script the workflows and ``.ci/run`` run exists, and every ``python -m flash_attn_hub``
+  command they call is one the CLI has (a moved or renamed tool fails here, not in CI).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flash_attn_hub import REPO_ROOT, build_config, variant
+from flash_attn_hub import REPO_ROOT, build_config, cli, variant
 
 WORKFLOWS = REPO_ROOT / ".github" / "workflows"
 BUILD_WORKFLOW = WORKFLOWS / "build.yml"
@@ -169,3 +171,17 @@ def test_flake_is_the_kernel_builder_template():
         f"flake.nix: genKernelFlakeOutputs args {sorted(args)} lack `path = ./.`"
     assert re.search(r"outputs\s*=\s*\{[^}]*\bself\b[^}]*\bkernel-builder\b[^}]*\}\s*:", flake), \
         "flake.nix: outputs must take { self, kernel-builder, ... }"
+
+
+def test_workflows_run_only_files_and_commands_that_exist():
+    texts = {path.relative_to(REPO_ROOT).as_posix(): path.read_text()
+             for path in [*sorted(WORKFLOWS.glob("*.yml")), REPO_ROOT / ".ci" / "run"]}
+    scripts, commands = set(), set()
+    for name, text in texts.items():
+        scripts |= {(name, m) for m in re.findall(r"(?:bash|python3?|/python)\s+([\w./-]+\.(?:sh|py))\b", text)}
+        commands |= {(name, m) for m in re.findall(r"-m flash_attn_hub\s+(\w+)", text)}
+    assert scripts and commands, "the patterns found nothing: they no longer match how the files call things"
+    missing = sorted((name, path) for name, path in scripts if not (REPO_ROOT / path).is_file())
+    assert not missing, f"workflows run files that do not exist: {missing}"
+    unknown = sorted((name, cmd) for name, cmd in commands if cmd not in cli.COMMANDS)
+    assert not unknown, f"workflows call flash_attn_hub commands that do not exist: {unknown}"

@@ -16,6 +16,7 @@ import os
 import platform
 import subprocess
 import warnings
+from importlib import metadata
 
 import torch
 
@@ -79,6 +80,14 @@ def _version(name: str) -> str | None:
         return None
 
 
+def distribution_version(name: str) -> str | None:
+    """The installed version of the distribution ``name`` (e.g. ``flash-attn-4``), else None."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def environment(device: torch.device, ours_module=None, sha: str | None = None) -> dict:
     """Machine and versions of this process, with the commit (``sha``, else :func:`git_sha`)."""
     cuda = device.type == "cuda"
@@ -92,6 +101,7 @@ def environment(device: torch.device, ours_module=None, sha: str | None = None) 
         "cudnn": cudnn_version(torch.backends.cudnn.version()) if cuda else None,
         "triton": _version("triton"),
         "kernels": _version("kernels"),
+        "fa4": distribution_version("flash-attn-4"),
         "kernel_build": getattr(ours_module, "__name__", None),
         "git_sha": sha,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -99,4 +109,4 @@ def environment(device: torch.device, ours_module=None, sha: str | None = None) 
 
 
 # Fields that must agree for two runs' numbers to share one table (see ``report.combine``).
-SAME_MACHINE = ("gpu", "driver", "torch", "cuda", "cudnn", "triton")
+SAME_MACHINE = ("gpu", "driver", "torch", "cuda", "cudnn", "triton", "fa4")

@@ -1,7 +1,7 @@
 """``RESULTS.md`` of a run: where and what was measured, a summary of our ratios, GQA/MQA
 backward peak memory against SDPA flash, per grid one TFLOP/s table per mode (workloads x
-providers) and the plots, per workload a side-by-side table (every provider, every mode,
-our ratio to each peer), what was skipped and why, and how everything was counted."""
+providers) and the plots, what was skipped and why, and how everything was counted. Times,
+percentiles and peak memory of every cell are in ``results.csv``."""
 
 from __future__ import annotations
 
@@ -12,26 +12,29 @@ from .plots import MODE_TITLES, versions
 
 MiB = 1 << 20
 SDPA_FLASH = "sdpa-flash"
-SHORT = {"fwd": "fwd", "bwd": "bwd", "fwd_bwd": "fwd+bwd"}
 
 NOTES = """\
-- **FLOPs** (ANCHORS.md): forward `4 * B * Hq * Sq * Sk * D`, halved for a causal square score
-  matrix; causal with `Sq != Sk`, sliding windows and packed documents count the visible
-  (query, key) pairs exactly (bottom-right aligned masks). Backward = 2.5x forward,
-  forward + backward = 3.5x. GQA counts query heads. TFLOP/s = FLOPs / median time.
+- **FLOPs**: forward `4 * B * Hq * Sq * Sk * D`, halved for a causal square score matrix;
+  causal with `Sq != Sk`, sliding windows and packed documents count the visible (query, key)
+  pairs exactly (bottom-right aligned masks). Backward = 2.5x forward, forward + backward =
+  3.5x. GQA counts query heads. TFLOP/s = FLOPs / median time.
 - **Timing**: every provider in one process, one after another; `triton.testing.do_bench`
   (L2 flushed before each call) median with 20th/80th percentiles (`ms_p20`, `ms_p50`,
-  `ms_p80` in the data); several random input sets rotated for small problems. "bwd" times
+  `ms_p80` in results.csv); several random input sets rotated for small problems. "bwd" times
   the backward alone (the forward graph is built outside the timed region; FlexAttention is
   compiled with AOTAutograd's buffer donation off, which that needs); "fwd" runs without
-  autograd (inference: no tensors saved for a backward).
+  autograd (inference: no tensors saved for a backward); "fwd+bwd" is a training step's
+  attention.
 - **Ours**: `ours-triton` / `ours-cuda` force `FLASH_ATTN_HUB_BACKEND`; `ours-cuda` is the
   compiled Hopper kernels (a backward they do not cover runs on Triton); `ours-auto` is the
   package's own choice per call, what users get.
+- **Peers**: PyTorch SDPA pinned to one backend (`sdpa-cudnn`, `sdpa-flash`), FlexAttention
+  (`flex`, `torch.compile`d, one graph per shape), FlashAttention-4 (`fa4`, the `flash-attn-4`
+  package, compiled on its first call per configuration, before anything is timed; its
+  backward through autograd), and flash-attn 2 / FlashAttention-3 when installed.
 - **Ratio**: our TFLOP/s over the best peer's in the same process, workload and mode (ours are
-  never peers); the per-workload tables also give our ratio to every other provider. A run
-  measured in several commands is merged per (workload, mode): a group comes whole from one
-  command, so a ratio never mixes two processes.
+  never peers). A page measured in two commands keeps each (workload, mode) group whole from
+  one of them, so a ratio never mixes two processes.
 - **Verification**: before timing, every provider's output (and, when backward modes run,
   dQ/dK/dV) on a slice (last batch element or longest document, up to 128 trailing query rows,
   first and last query heads) is compared with `flash_attn_hub/reference.py` in float64: the error
@@ -148,74 +151,20 @@ def gqa_memory(records: list[dict]) -> list[str]:
     return lines
 
 
-def workload_table(rows: list[dict]) -> list[str]:
-    """One workload side by side: a row per provider with TFLOP/s and median ms per mode
-    (GB/s for decode), peak memory per mode, and each of our backends' TFLOP/s ratio to it."""
-    any_r = rows[0]
-    modes = [m for m in MODE_TITLES if any(r["mode"] == m for r in rows)]
-    providers = _ours_first(r["provider"] for r in rows)
-    ours = [p for p in providers if p.startswith("ours")]
-    gbps = any(r.get("gbps") for r in rows)
-    by = {(r["provider"], r["mode"]): r for r in rows}
-    head = ["provider"]
-    short = [SHORT[m] for m in modes]
-    for m in short:
-        head += [f"{m} TFLOP/s", f"{m} ms"] + ([f"{m} GB/s"] if gbps else [])
-    head.append("peak MiB " + " / ".join(short))
-    head += [f"{o} vs this ({' / '.join(short)})" for o in ours]
-    shape = (f"Sq={any_r['seqlen_q']}, Sk={any_r['seqlen_k']}" if any_r["seqlen_q"] != any_r["seqlen_k"]
-             else f"S={any_r['seqlen_q']}")
-    what = (f"D={any_r['head_dim']}, Hq/Hkv={any_r['heads_q']}/{any_r['heads_kv']}, B={any_r['batch']}, "
-            f"{shape}, {_mask(any_r)}" + (f", {any_r['total_tokens_q']} tokens" if any_r["varlen"] else ""))
-    lines = [f"#### `{any_r['workload']}`", "", what + ".", ""] + _header(head)
-    for p in providers:
-        line = [p]
-        for m in modes:
-            r = by.get((p, m))
-            line += [_fmt(r["tflops"]) if r else "-", f"{r['ms_p50']:.3g}" if r else "-"]
-            if gbps:
-                line.append(_fmt(r.get("gbps")) if r else "-")
-        line.append(" / ".join(_fmt(_mib(by.get((p, m)))) or "-" for m in modes))
-        for o in ours:
-            if o == p:
-                line.append("")
-                continue
-            ratios = []
-            for m in modes:
-                mine, theirs = by.get((o, m)), by.get((p, m))
-                ratios.append(f"{mine['tflops'] / theirs['tflops']:.2f}x" if mine and theirs else "-")
-            line.append(" / ".join(ratios))
-        lines.append(_row(line))
-    return lines + [""]
+def _header_lines(env: dict, records: list[dict]) -> list[str]:
+    fa4 = f"; FlashAttention-4 (flash-attn-4) {env['fa4']}" if env.get("fa4") and any(
+        r["provider"] == "fa4" for r in records) else ""
+    return [f"GPU: **{env.get('gpu')}**" + (f" (driver {env['driver']})" if env.get("driver") else "") +
+            f"; {versions(env)}{fa4}; kernels {env.get('kernels')}; our build `{env.get('kernel_build')}`; "
+            f"git `{env.get('git_sha')}`; {env.get('date')}.", ""]
 
 
-def _header_lines(env: dict, parts: list[dict]) -> list[str]:
-    lines = [f"GPU: **{env.get('gpu')}**" + (f" (driver {env['driver']})" if env.get("driver") else "") +
-             f"; {versions(env)}; kernels {env.get('kernels')}; our build `{env.get('kernel_build')}`; "
-             f"git `{env.get('git_sha')}`; {env.get('date')}.", ""]
-    if len(parts) > 1:
-        lines += [f"Measured in {len(parts)} commands (one process each, merged per workload and mode):", ""]
-        for part in parts:
-            penv = part.get("env", {})
-            took = f", {part['elapsed_s'] / 60:.1f} min" if part.get("elapsed_s") else ""
-            what = (f"`python -m flash_attn_hub {' '.join(part['argv'])}`" if part.get("argv")
-                    else f"run `{part.get('source', '?')}`")
-            lines.append(f"- {', '.join(part.get('grids', []))}: {what} "
-                         f"({penv.get('date')}, git `{penv.get('git_sha')}`{took})")
-        lines.append("")
-    return lines
-
-
-def markdown(records: list[dict], skips: list[dict], env: dict, plots: list[Path], run_dir: Path,
-             title: str, parts: list[dict] | None = None) -> str:
-    lines = [f"# {title}", "", *_header_lines(env, parts or [])]
+def markdown(records: list[dict], skips: list[dict], env: dict, plots: list[Path], page_dir: Path,
+             title: str) -> str:
+    lines = [f"# {title}", "", *_header_lines(env, records)]
     if str(env.get("gpu", "")).startswith("none"):
         lines += ["**No GPU**: a tiny CPU grid that checks the pipeline. GPU numbers need a GPU.", ""]
-    not_run = [w for part in parts or [] for w in part.get("not_run", [])]
-    if not_run:
-        lines += [f"**Incomplete**: {len(not_run)} workloads were not measured (time budget): "
-                  + ", ".join(f"`{w}`" for w in not_run), ""]
-    lines += ["Raw data: [results.json](results.json), [results.csv](results.csv).", ""]
+    lines += ["Data: [results.csv](results.csv) (times, percentiles and peak memory of every cell).", ""]
     table = summary(records)
     if table:
         lines += ["## Summary: ours against the best peer (TFLOP/s ratio)", "", *table, ""]
@@ -227,6 +176,9 @@ def markdown(records: list[dict], skips: list[dict], env: dict, plots: list[Path
     for grid in dict.fromkeys(r["grid"] for r in records):
         lines += [f"## {grid}", ""]
         grid_rows = [r for r in records if r["grid"] == grid]
+        for p in plots:
+            if p.name.startswith(f"{grid}-"):
+                lines += [f"![{p.stem}]({p.relative_to(page_dir).as_posix()})", ""]
         for mode in MODE_TITLES:
             rows = [r for r in grid_rows if r["mode"] == mode]
             if not rows:
@@ -238,12 +190,6 @@ def markdown(records: list[dict], skips: list[dict], env: dict, plots: list[Path
             if any(r.get("gbps") for r in rows):
                 lines += [f"### {MODE_TITLES[mode]}: GB/s (median)", ""]
                 lines += _grid_table(rows, lambda r: r["gbps"], providers, ours) + [""]
-        for p in plots:
-            if p.name.startswith(f"{grid}-"):
-                lines += [f"![{p.stem}]({p.relative_to(run_dir).as_posix()})", ""]
-        lines += [f"### {grid}: per workload", ""]
-        for workload in dict.fromkeys(r["workload"] for r in grid_rows):
-            lines += workload_table([r for r in grid_rows if r["workload"] == workload])
     if skips:
         lines += ["## Skipped", "", *_header(["provider", "workloads", "mode", "reason"])]
         grouped: dict[tuple, int] = {}

@@ -1,16 +1,14 @@
 """The implementations the benchmark compares: ours (per backend, loaded through
-``kernels``) and the peers (PyTorch SDPA backends, FlexAttention, flash-attn 2 / 3 when
-importable).
-
-The calling conventions shared with the ``kernels benchmark`` script (a flash-attn 2 style
-call, SDPA with flash-attn's mask semantics) live in ``benchmarks/benchmark.py``, the file a
-Hub snapshot ships, and are imported from there (:func:`hub_benchmark`).
+``kernels``) and the peers (PyTorch SDPA backends, FlexAttention, FlashAttention-4, and
+flash-attn 2 / FlashAttention-3 when installed).
 
 Every provider turns a workload and one canonical input set (``workloads.Inputs``) into a
 :class:`Prepared`: a zero-argument forward closure plus the maps between its own layout
 and the canonical one (only the padded-SDPA varlen peer has a layout of its own). Layout
 changes that users would not pay for (padding a packed batch) happen in ``prepare``,
-outside the timed closure; free views (``transpose``) happen inside it.
+outside the timed closure; free views (``transpose``) happen inside it. A provider that
+cannot run a workload says why (``unsupported``), or fails verification or its first call
+(the runner records the reason); either way it is skipped for that workload only.
 """
 
 from __future__ import annotations
@@ -19,37 +17,54 @@ import contextlib
 import dataclasses
 import functools
 import importlib
-import importlib.util
 import os
-import sys
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .. import REPO_ROOT, reference
+from .. import reference
 from .workloads import Inputs, Workload, visible_pairs
 
 BACKEND_ENV = "FLASH_ATTN_HUB_BACKEND"
-GPU_DEFAULT = ("ours-cuda", "ours-triton", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex",
-               "flash-attn2", "fa3")
+GPU_DEFAULT = ("ours-cuda", "ours-triton", "fa4", "sdpa-cudnn", "sdpa-flash", "flex", "flash-attn2", "fa3")
 CPU_DEFAULT = ("ours-cpu", "sdpa-math")
 # ours-auto: the package's own choice per call (what users get); not in the default set, whose
-# ours-cuda / ours-triton already measure both GPU backends.
-KNOWN = GPU_DEFAULT + ("ours-auto", "ours-cpu", "sdpa-math")
-HUB_BENCHMARK = REPO_ROOT / "benchmarks" / "benchmark.py"
+# ours-cuda / ours-triton already measure both GPU backends. sdpa-efficient: no GQA, far behind.
+KNOWN = GPU_DEFAULT + ("ours-auto", "ours-cpu", "sdpa-efficient", "sdpa-math")
 
 
-@functools.lru_cache(maxsize=1)
-def hub_benchmark():
-    """``benchmarks/benchmark.py`` imported from the source tree (registered in
-    ``sys.modules`` under its own name, which its dataclasses need)."""
-    name = "flash_attn_hub_bench_hub_benchmark"
-    spec = importlib.util.spec_from_file_location(name, HUB_BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+def flash_attn_forward(module, q, k, v, *, causal: bool, window_size=(-1, -1), cu_seqlens=None,
+                       max_seqlen: int | None = None) -> torch.Tensor:
+    """One call of a flash-attn 2 style API (ours, flash-attn 2, FlashAttention-3 share it):
+    batched ``(B, S, H, D)``, or packed ``(T, H, D)`` with ``cu_seqlens`` (the same for q and
+    k) and ``max_seqlen``. Returns the output (these APIs may return a tuple starting with it)."""
+    kwargs = dict(causal=causal, window_size=window_size)
+    if cu_seqlens is not None:
+        result = module.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    else:
+        result = module.flash_attn_func(q, k, v, **kwargs)
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
+def sdpa_forward(q, k, v, *, causal: bool, attn_mask=None) -> torch.Tensor:
+    """``scaled_dot_product_attention`` on flash-attn's ``(B, S, H, D)`` layout, with
+    flash-attn's semantics: GQA through ``enable_gqa``, causal bottom-right aligned
+    (``is_causal`` for a square score matrix, ``causal_lower_right`` otherwise; a single
+    query sees every key). A dense boolean ``attn_mask`` replaces the causal mask."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    sq, sk = q.shape[1], k.shape[1]
+    is_causal = False
+    if attn_mask is None and causal:
+        if sq == sk:
+            is_causal = True
+        elif sq > 1:
+            attn_mask = causal_lower_right(sq, sk)
+    gqa = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, is_causal=is_causal, **gqa)
+    return out.transpose(1, 2)
 
 
 def _identity(t: torch.Tensor, pad: str = "random") -> torch.Tensor:
@@ -104,11 +119,11 @@ def backend_env(value: str):
 
 class FlashApi(Provider):
     """A package with flash-attn 2's API (ours, flash-attn 2, FlashAttention-3): native GQA,
-    bottom-right causal, windows and varlen, called through ``hub_benchmark().flash_attn_forward``."""
+    bottom-right causal, windows and varlen, called through :func:`flash_attn_forward`."""
     module = None
 
     def prepare(self, w, x):
-        call = functools.partial(hub_benchmark().flash_attn_forward, self.module, x.q, x.k, x.v,
+        call = functools.partial(flash_attn_forward, self.module, x.q, x.k, x.v,
                                  causal=w.causal, window_size=w.window_size)
         if w.varlen:
             call = functools.partial(call, cu_seqlens=x.cu_seqlens, max_seqlen=max(w.seqlens))
@@ -213,7 +228,7 @@ class Sdpa(Provider):
             gen = torch.Generator(device=x.q.device).manual_seed(7)
             to_provider, to_canonical = _padding_maps(w, x.q.device, gen)
             q, k, v = (to_provider(t).detach().requires_grad_() for t in (q, k, v))
-        call = functools.partial(hub_benchmark().sdpa_forward, q, k, v, causal=w.causal, attn_mask=mask)
+        call = functools.partial(sdpa_forward, q, k, v, causal=w.causal, attn_mask=mask)
         return Prepared([q, k, v], call, to_canonical, to_provider)
 
 
@@ -321,8 +336,50 @@ class FlashAttnPackage(FlashApi):
             return f"`import {self.module_name}` failed ({type(err).__name__})"
         if Path(getattr(module, "__file__", "") or "").resolve().parent == self.ours_file.parent:
             return f"`{self.module_name}` is our own package"
+        if not hasattr(module, "flash_attn_func"):  # e.g. the namespace flash-attn-4 installs
+            return f"`{self.module_name}` has no flash_attn_func"
         self.module = module
         return None
+
+
+class FlashAttention4(Provider):
+    """FlashAttention-4 (pip ``flash-attn-4``, CuTe DSL, imported as ``flash_attn.cute``), when
+    installed: ``(B, S, H, D)`` like ours, native GQA, bottom-right causal, windows (unbounded
+    sides as None) and varlen; its backward is autograd through its function. It compiles each
+    configuration on its first call, which verification makes before anything is timed (and
+    the runner calls every closure once more before timing). What it cannot run fails that
+    first call, and the cell is skipped with FA4's own message."""
+    name = "fa4"
+
+    def __init__(self):
+        self.api = None
+
+    def unavailable(self):
+        try:
+            api = importlib.import_module("flash_attn.cute")
+        except Exception as err:
+            return f"`import flash_attn.cute` (flash-attn-4) failed ({type(err).__name__}: {err})"[:200]
+        if not hasattr(api, "flash_attn_func"):
+            return "flash_attn.cute has no flash_attn_func (not FlashAttention-4)"
+        self.api = api
+        return None
+
+    def prepare(self, w, x):
+        left, right = (None if side < 0 else side for side in w.window_size)
+        kwargs = dict(causal=w.causal, window_size=(left, right))
+        q, k, v = x.q, x.k, x.v
+        if w.varlen:
+            longest = max(w.seqlens)
+            call = functools.partial(self.api.flash_attn_varlen_func, q, k, v, cu_seqlens_q=x.cu_seqlens,
+                                     cu_seqlens_k=x.cu_seqlens, max_seqlen_q=longest, max_seqlen_k=longest,
+                                     **kwargs)
+        else:
+            call = functools.partial(self.api.flash_attn_func, q, k, v, **kwargs)
+
+        def fwd():
+            result = call()
+            return result[0] if isinstance(result, (tuple, list)) else result
+        return Prepared([q, k, v], fwd)
 
 
 def make_providers(names, ours_module, ours_error: str | None = None, *, explicit: bool = False) -> list[Provider]:
@@ -340,6 +397,8 @@ def make_providers(names, ours_module, ours_error: str | None = None, *, explici
             out.append(FlashAttnPackage(name, "flash_attn", ours_module))
         elif name == "fa3":
             out.append(FlashAttnPackage(name, "flash_attn_interface", ours_module))
+        elif name == "fa4":
+            out.append(FlashAttention4())
         else:
             raise ValueError(f"providers: unknown provider {name!r}; known: {', '.join(KNOWN)}")
     return out

@@ -3,8 +3,9 @@ timings into long-format records (one per provider, workload, mode).
 
 Per workload: fresh random input sets (rotated so that the L2 cache never holds the next
 call's inputs), the oracle on a slice (``verify.py``), then per provider: verify, and
-only if that passes, time each mode with ``triton.testing.do_bench`` (median with the
-20th/80th percentiles; on CPU a wall-clock loop) and measure the peak memory it adds.
+only if that passes, time each mode with ``timing.quantiles`` (``triton.testing.do_bench``
+median with the 20th/80th percentiles; on CPU a wall-clock loop) and measure the peak
+memory it adds.
 """
 
 from __future__ import annotations
@@ -17,23 +18,17 @@ import time
 import warnings
 from typing import Callable
 
-import numpy as np
 import torch
 
 from . import verify as verify_mod
 from .env import environment
 from .providers import Provider
+from .timing import Timing, quantiles
 from .workloads import DTYPES, Workload, attention_flops, make_inputs
 
 MiB = 1 << 20
-
-
-@dataclasses.dataclass
-class Timing:
-    warmup_ms: float = 25.0
-    rep_ms: float = 100.0
-    max_sets: int = 4  # input sets rotated per measurement (small problems)
-    rotate_bytes_per_l2: int = 4  # enough sets that their inputs span this many L2s
+MAX_SETS = 4  # input sets rotated per measurement (small problems)
+ROTATE_BYTES_PER_L2 = 4  # enough sets that their inputs span this many L2s
 
 
 @dataclasses.dataclass
@@ -53,28 +48,6 @@ class Rotator:
 
     def __call__(self):
         return self._fns[next(self._next)]()
-
-
-def quantiles(fn, *, device: torch.device, grad_to_none, timing: Timing) -> tuple[float, float, float]:
-    """(p20, p50, p80) milliseconds of ``fn``."""
-    if device.type == "cuda":
-        import triton.testing
-        p20, p50, p80 = triton.testing.do_bench(fn, warmup=timing.warmup_ms, rep=timing.rep_ms,
-                                                grad_to_none=grad_to_none, quantiles=[0.2, 0.5, 0.8])
-        return float(p20), float(p50), float(p80)
-    fn()
-    start = time.perf_counter()
-    while (time.perf_counter() - start) * 1e3 < timing.warmup_ms:
-        fn()
-    times = []
-    while len(times) < 5 or (sum(times) < timing.rep_ms and len(times) < 1000):
-        for t in grad_to_none:
-            t.grad = None
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    p20, p50, p80 = np.quantile(np.asarray(times), [0.2, 0.5, 0.8])
-    return float(p20), float(p50), float(p80)
 
 
 def peak_memory(fn, *, device: torch.device, grad_to_none) -> int | None:
@@ -119,7 +92,7 @@ def make_record(w: Workload, provider: str, mode: str, dtype: str, ms, peak, err
         "provider": provider, "workload": w.name, "grid": w.grid, "family": w.family, "mode": mode,
         "dtype": dtype, "batch": w.batch, "seqlen_q": w.seqlen_q, "seqlen_k": w.seqlen_k,
         "heads_q": w.heads_q, "heads_kv": w.heads_kv, "head_dim": w.head_dim, "causal": w.causal,
-        "window_left": w.window_left, "window_right": w.window_size[1], "varlen": w.varlen, "mix": w.mix,
+        "window_left": w.window_left, "window_right": w.window_size[1], "varlen": w.varlen, "mix": w.mix or None,
         "num_seqs": len(w.seqlens) if w.varlen else w.batch, "total_tokens_q": w.total_tokens_q,
         "flops": flops, "ms_p20": p20, "ms_p50": p50, "ms_p80": p80,
         "tflops": flops / (p50 * 1e-3) / 1e12, "ratio_to_best_peer": None, "best_peer": None,
@@ -196,10 +169,10 @@ class Progress:
             self.bar.close()
 
 
-def _input_sets(w: Workload, device, dtype, timing: Timing) -> list:
+def _input_sets(w: Workload, device, dtype) -> list:
     first = make_inputs(w, device=device, dtype=dtype, seed=0)
     l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 4 * MiB
-    count = max(1, min(timing.max_sets, math.ceil(timing.rotate_bytes_per_l2 * l2 / first.nbytes)))
+    count = max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES_PER_L2 * l2 / first.nbytes)))
     sets = [first] + [make_inputs(w, device=device, dtype=dtype, seed=i) for i in range(1, count)]
     for x in sets:
         for t in (x.q, x.k, x.v):
@@ -212,7 +185,7 @@ def run_workload(w: Workload, providers: list[Provider], modes, *, device, dtype
     """Verify and time every provider on one workload."""
     records, skips = [], []
     modes = [m for m in modes if m in w.modes]
-    sets = _input_sets(w, device, dtype, timing)
+    sets = _input_sets(w, device, dtype)
     with_grads = any(m != "fwd" for m in modes)
     exp = verify_mod.expected(w, sets[0].q, sets[0].k, sets[0].v, with_grads=with_grads)
     for provider in providers:
@@ -286,30 +259,23 @@ class SuiteResult:
     skips: list[Skip]
     env: dict
     seconds: dict[str, float]  # wall time per measured workload
-    not_run: list[str]  # workloads left out because ``keep_going`` said stop
 
 
 def run_suite(workloads, providers, modes, *, device, dtype_name="bf16", timing=None, ours_module=None,
               progress=True, env: dict | None = None,
-              on_workload: Callable[[SuiteResult], None] | None = None,
-              keep_going: Callable[[Workload, float], bool] | None = None) -> SuiteResult:
+              on_workload: Callable[[SuiteResult], None] | None = None) -> SuiteResult:
     """Every workload with every provider that is available on ``device``.
 
     ``on_workload(result so far)`` runs after each workload (the CLI saves the records there,
-    so a run killed by a time limit keeps every finished workload); ``keep_going(next
-    workload, seconds elapsed)`` returning False stops before that workload."""
+    so a run stopped by a time limit keeps every finished workload)."""
     dtype = DTYPES[dtype_name]
     timing = timing or Timing()
     env = env or environment(device, ours_module)
     usable, skips = available(providers, device)
-    result = SuiteResult([], skips, env, {}, [])
+    result = SuiteResult([], skips, env, {})
     bar = Progress(len(workloads) * len(usable), enabled=progress)
-    start = time.perf_counter()
     try:
-        for i, w in enumerate(workloads):
-            if keep_going is not None and not keep_going(w, time.perf_counter() - start):
-                result.not_run = [x.name for x in workloads[i:]]
-                break
+        for w in workloads:
             t0 = time.perf_counter()
             got, skipped = run_workload(w, usable, modes, device=device, dtype=dtype, dtype_name=dtype_name,
                                         timing=timing, env=env, progress=bar)

@@ -1,4 +1,5 @@
-"""What the benchmark measures: workloads, grids, FLOP counting and inputs.
+"""What the benchmark measures: workloads, grids, FLOP counting and inputs. The one
+workload definition and the one FLOP rule of the tooling (``bench`` and ``tune`` use both).
 
 Glossary:
   B       batch size (varlen: number of packed documents)
@@ -8,12 +9,13 @@ Glossary:
   window  (left, right) band around the bottom-right aligned diagonal, -1 = unbounded;
           causal forces right = 0
   mode    "fwd", "bwd" (backward only, forward graph built outside the timed region),
-          "fwd_bwd" (both)
+          "fwd_bwd" (both: a training step's attention)
 
-FLOPs follow ANCHORS.md: forward ``4 * B * Hq * Sq * Sk * D``, halved for a causal
-square (Sq == Sk) score matrix; every other masked case (causal with Sq != Sk, sliding
-windows, packed documents) counts the visible (query, key) pairs exactly. Backward is
-2.5x the forward, forward+backward 3.5x. GQA counts query heads.
+FLOPs, the way FlashAttention's papers, Triton's tutorial and tritonbench count: forward
+``4 * B * Hq * Sq * Sk * D``, halved for a causal square (Sq == Sk) score matrix; every other
+masked case (causal with Sq != Sk, sliding windows, packed documents) counts the visible
+(query, key) pairs exactly. Backward is 2.5x the forward, forward+backward 3.5x. GQA counts
+query heads. Every grid but decode holds 16k tokens per batch (B = 16384 / S).
 """
 
 from __future__ import annotations
@@ -108,12 +110,12 @@ def _sequence_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window_left: int
     if window_left < 0 and window_right < 0:
         return float(seqlen_q * seqlen_k)
     if causal and window_left < 0 and seqlen_q == seqlen_k:
-        return seqlen_q * seqlen_k / 2.0  # the convention everyone reports (ANCHORS.md)
+        return seqlen_q * seqlen_k / 2.0  # the convention everyone reports
     return float(visible_pairs(seqlen_q, seqlen_k, window_left, window_right))
 
 
 def attention_flops(w: Workload, mode: str = "fwd") -> float:
-    """FLOPs of one call in ``mode``, counted as ANCHORS.md prescribes."""
+    """FLOPs of one call in ``mode``, counted by the rule of the module docstring."""
     if w.varlen:
         pairs = sum(_sequence_pairs(n, n, w.causal, w.window_left, w.window_right) for n in w.seqlens)
     else:
@@ -146,20 +148,16 @@ def _square(grid, s, d, h, causal, hkv=None, **kw):
     return Workload(grid, TOKENS_PER_BATCH // s, s, s, h, hkv or h, d, causal, **kw)
 
 
-def _grid_standard():
-    return [_square("standard", s, d, h, c)
-            for d, h in ((64, 32), (128, 16), (256, 8))
-            for c in (False, True)
-            for s in (512, 1024, 2048, 4096, 8192, 16384)]
+# The release grid: head dims x head shapes x masks x lengths, 16k tokens per batch. MHA 32/32,
+# GQA 32/8 and Llama's 64/8 (at 8k tokens that is Llama-3-70B's B=2 training shape).
+MAIN_HEADS = ((32, 32), (32, 8), (64, 8))
+MAIN_HEAD_DIMS = (64, 128, 256)
+MAIN_SEQLENS = (512, 1024, 4096, 8192, 16384)
 
 
-def _grid_small():
-    return [_square("small", s, 128, 16, c) for c in (False, True) for s in (1024, 4096)]
-
-
-def _grid_gqa():
-    return [_square("gqa", s, 128, 32, c, hkv=hkv)
-            for hkv in (8, 1) for c in (False, True) for s in (1024, 4096, 8192, 16384)]
+def _grid_main():
+    return [_square("main", s, d, hq, c, hkv=hkv)
+            for d in MAIN_HEAD_DIMS for hq, hkv in MAIN_HEADS for c in (False, True) for s in MAIN_SEQLENS]
 
 
 def _packed(mix: str, seed: int, hq: int, hkv: int, d: int) -> Workload:
@@ -191,13 +189,6 @@ def _grid_window():
             for h, hkv in ((16, 16), (32, 8)) for s in (8192, 16384)]
 
 
-def _grid_wide():
-    """The wide head dims, where the CUDA backward splits the head dim between its consumers:
-    D=192 MHA 16/16 and D=256 GQA 16/8 (Gemma-2-9B's attention shape), 4k and 16k."""
-    return [_square("wide", s, d, 16, c, hkv=hkv)
-            for d, hkv in ((192, 16), (256, 8)) for c in (False, True) for s in (4096, 16384)]
-
-
 def _grid_cpu():
     """Tiny shapes for a machine without a GPU: checks the pipeline, not the kernels' speed."""
     return [
@@ -211,17 +202,13 @@ def _grid_cpu():
 
 
 GRIDS = {
-    "standard": _grid_standard,
-    "small": _grid_small,
-    "gqa": _grid_gqa,
+    "main": _grid_main,
     "varlen": _grid_varlen,
     "decode": _grid_decode,
     "window": _grid_window,
-    "wide": _grid_wide,
     "cpu": _grid_cpu,
 }
-GPU_GRIDS = ("standard", "small", "gqa", "varlen", "decode", "window", "wide")
-ALL_GRIDS = tuple(g for g in GPU_GRIDS if g != "small")  # what "all" means: every table of a full run
+ALL_GRIDS = ("main", "varlen", "decode", "window")  # what "all" means: every GPU grid
 
 
 def grid_names(spec) -> list[str]:

@@ -1,34 +1,32 @@
-"""GPU ONLY: time candidate tile configs of the Triton backward kernels, write the tuning file.
+"""``python -m flash_attn_hub tune bwd`` (GPU only): time candidate tile configs of the Triton
+backward kernels, write the tuning file.
 
-    python benchmarks/tune_triton_bwd.py --quick        # D=128, S=4096, coordinate descent
-                                                        # and coupled pairs
-    python benchmarks/tune_triton_bwd.py                # D 64/128/256 x S 1k/4k/16k, exhaustive
-    python benchmarks/tune_triton_bwd.py --head-dims 128 --seqlens 4096 16384 --out /tmp/t.json
+    python -m flash_attn_hub tune bwd --quick     # D=128, S=4096, coordinate descent and coupled pairs
+    python -m flash_attn_hub tune bwd             # D 64/128/256 x S 1k/4k/16k, exhaustive
+    python -m flash_attn_hub tune bwd --head-dims 128 --seqlens 4096 16384 --out /tmp/t.json
 
 The dK/dV and dQ kernels are separate launches, so the search runs per kernel: with the dQ
 fields of the table fixed it searches the dK/dV fields of ``_triton_bwd.BwdTiles``, then with
 the best dK/dV fixed the dQ fields. Each time is the whole backward (delta, dK/dV, dQ; bf16, 16k
-tokens per batch, out/lse from the Triton forward, backward FLOPs = 2.5 x forward), on a causal
-and a non-causal workload of each head shape in HEADS (D=128: MHA 16/16 and GQA 32/8, as
-ANCHORS.md; ``--heads 16/16`` overrides). The best config is
-recorded for this GPU, head-dim bucket and sequence-length bucket in
-``torch-ext/flash_attn/triton_bwd_configs.json`` (or ``--out``), merged with the entries already
-there. Search, timing and the summary table printed last are ``_tune_common``'s; long-format
-results go to ``$OUT/tune_triton_bwd.jsonl`` when ``OUT`` is set.
+tokens per batch, out/lse from the Triton forward, FLOPs by the benchmark's rule), on a causal
+and a non-causal problem of each head shape in HEADS (D=128: MHA 16/16 and GQA 32/8;
+``--heads 16/16`` overrides). The best config is recorded for this GPU, head-dim bucket and
+sequence-length bucket in the source tree's ``torch-ext/flash_attn/triton_bwd_configs.json``
+(or ``--out``), merged with the entries already there. Search, timing and the summary table
+printed last are ``common``'s.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 
-import _tune_common as tc
-from flash_attn_hub.reference import attention_reference, relative_error
+from ..reference import attention_reference, relative_error
+from . import common as tc
 
 # head dim -> the (query, kv) heads of the timed shapes; a config is scored by the geo-mean over
-# all of them. D=128 times MHA and GQA 32/8 (the shapes of ANCHORS.md): one entry per bucket
+# all of them. D=128 times MHA and GQA 32/8: one entry per bucket
 # serves both, and the one tuned on GQA alone ran MHA 10-15% slower than GQA.
 HEADS = {64: ((32, 32),), 128: ((16, 16), (32, 8)), 256: ((8, 8),)}
 # Candidate values per kernel, for sm90. The dK/dV kernel holds two BLOCK_N x BLOCK_D fp32
@@ -54,7 +52,7 @@ DQ = {
               dq_stages=(1, 2, 3)),
     256: dict(dq_block_m=(32, 64), dq_block_n=(16, 32), dq_warps=(4, 8), dq_stages=(1, 2)),
 }
-# Fields the quick search also varies together (``_tune_common.search``): the warps split the
+# Fields the quick search also varies together (``common.search``): the warps split the
 # tiles, so a warp count can lose with one tile and win with another.
 DKDV_PAIRS = (("dkdv_warps", "dkdv_block_n"), ("dkdv_warps", "dkdv_block_m"))
 DQ_PAIRS = (("dq_warps", "dq_block_m"), ("dq_warps", "dq_block_n"))
@@ -108,13 +106,14 @@ def _checker(bwd, fwd, attn_params, heads, head_dim):
     return correct
 
 
-def main() -> int:
-    args = tc.parse_args(__doc__, sorted(HEADS), heads=True)
-    if not tc.require_gpu("tune_triton_bwd.py"):
+def run(args) -> int:
+    args = tc.finish_arguments(args, sorted(HEADS))
+    if not tc.require_gpu("tune bwd"):
         return 2
-    bwd, fwd, tuning, params_mod = tc.load("_triton_bwd", "_triton_fwd", "_tuning", "_params")
+    package, (bwd, fwd, tuning, params_mod) = tc.load(args.kernel_dir, "_triton_bwd", "_triton_fwd", "_tuning",
+                                                      "_params")
     attn_params = params_mod.AttnParams
-    session = tc.Session("tune_triton_bwd", tuning, bwd.TABLE)
+    session = tc.Session(tuning, bwd.TABLE, args.out or tc.source_path(package, bwd.TABLE.path), args.log)
     arch = tuning.arch_of(torch.device("cuda"))
 
     for head_dim in args.head_dims:
@@ -122,17 +121,14 @@ def main() -> int:
         block_d = tuning.block_d_for(head_dim)
         correct = _checker(bwd, fwd, attn_params, shapes[-1], head_dim)
         for seqlen in args.seqlens:
-            batch = max(1, tc.TOKENS // seqlen)
+            batch = tc.batch_for(seqlen)
             torch.manual_seed(1)
-            workloads = tc.head_shape_workloads(
+            problems = tc.head_shape_problems(
                 shapes,
-                lambda heads, causal: Problem(bwd, fwd, attn_params, batch, seqlen, heads,
-                                              head_dim, causal),
-                lambda heads: 2.5 * 4 * batch * heads[0] * seqlen * seqlen * head_dim,
-                lambda heads: dict(head_dim=head_dim, heads=list(heads), batch=batch,
-                                   seqlen=seqlen))
+                lambda heads, causal: Problem(bwd, fwd, attn_params, batch, seqlen, heads, head_dim, causal),
+                seqlen=seqlen, head_dim=head_dim, mode="bwd")
             tag = f"D={head_dim} S={seqlen}"
-            score, results = session.scorer(correct, workloads, tag)
+            score, results = session.scorer(correct, problems, tag)
 
             default = bwd.TABLE.default(arch, head_dim)
             dkdv = {"atomic_dq": (False, True), **tc.hopper_fields("dkdv_tma"),
@@ -146,8 +142,4 @@ def main() -> int:
                            shape=f"B={batch} S={seqlen} H={','.join(f'{a}/{b}' for a, b in shapes)} "
                                  f"D={head_dim}",
                            best=best, default=default, results=results, tag=tag)
-    return session.finish(args.out)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return session.finish()

@@ -3,9 +3,10 @@
 The benchmark times a whole call; this says where that time goes. Each provider runs a bf16
 forward and backward `--iters` times under torch.profiler (after a warm-up), and the table lists
 every kernel launched with its mean GPU time per call, so that the main kernels can be set
-against the work around them (workspace fills, preprocess, dQ cast, copies).
+against the work around them (workspace fills, preprocess, dQ cast, copies). Each call is also
+timed whole with the benchmark's timer; FLOPs by the benchmark's rule.
 
-    python3 scripts/kernel_times.py --kernel-dir build [--seqlen 4096 --batch 4 --heads 16/16]
+    python3 -m tools.kernel_times --kernel-dir build [--seqlen 4096 --batch 4 --heads 16/16]
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-from profile_kernels import load_workload, workload_parser
+
+from flash_attn_hub.bench.timing import median_ms
+from flash_attn_hub.bench.workloads import Workload, attention_flops
+
+from .profile_kernels import load_workload, workload_parser
 
 
 def _profile(fn, iters: int) -> list[tuple[str, float, int]]:
@@ -41,11 +46,10 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     flash_attn, q, k, v, dout = load_workload(args)
-    import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
     b, s, d = args.batch, args.seqlen, args.head_dim
     hq, hkv = q.shape[2], k.shape[2]
-    flops = 4 * b * hq * s * s * d / (2 if args.causal else 1)
+    workload = Workload("kernel_times", b, s, s, hq, hkv, d, args.causal)
 
     def ours_fwd():
         return flash_attn.flash_attn_func(q, k, v, causal=args.causal)
@@ -76,8 +80,8 @@ def main() -> int:
                     out.backward(grad_out, retain_graph=True)
             rows = _profile(fn, args.iters)
             total = sum(r[1] for r in rows)
-            wall = triton.testing.do_bench(fn, grad_to_none=[q, k, v, qt, kt, vt]) * 1e3
-            mode_flops = flops * (2.5 if mode == "bwd" else 1)
+            wall = median_ms(fn, device="cuda", grad_to_none=[q, k, v, qt, kt, vt]) * 1e3
+            mode_flops = attention_flops(workload, mode)
             print(f"\n{name} {mode}: {total:.1f} us of kernels per call "
                   f"({mode_flops / total / 1e6:.0f} TFLOP/s), {wall:.1f} us per call timed "
                   f"back to back ({mode_flops / wall / 1e6:.0f} TFLOP/s)")

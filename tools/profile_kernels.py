@@ -1,11 +1,16 @@
-"""GPU ONLY: the workload the `profile` phase of scripts/gpu_run.sh runs under Nsight Compute.
+"""GPU ONLY: one workload for Nsight Compute to read the counters of.
 
 One bf16 forward and one backward per backend named, on one shape (D=128, S=4k, B=4, MHA 16/16
 unless told), each run twice so that `ncu --launch-skip` can pass over the first (cold) launch.
 It times nothing: ncu reads the counters.
 
-    ncu --clock-control none -k regex:"fwd_kernel|bwd_kernel" --launch-skip 1 --launch-count 2 \
-        python3 scripts/profile_kernels.py --kernel-dir build [--causal] [--heads 32/8]
+    ncu --clock-control none -k regex:"fwd_kernel|bwd_kernel" --launch-skip 2 --launch-count 2 \
+        --section SpeedOfLight --section WarpStateStats \
+        python3 -m tools.profile_kernels --kernel-dir build [--causal] [--heads 32/8]
+
+With `--section SourceCounters -o REPORT` ncu also keeps each kernel's stall samples per SASS
+instruction; `ncu -i REPORT.ncu-rep --page source --csv --print-source sass > sass.csv` exports
+them for `python3 -m tools.sass_stalls sass.csv`.
 """
 
 from __future__ import annotations
@@ -17,14 +22,15 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from flash_attn_hub import REPO_ROOT
+from flash_attn_hub.bench import load_local_kernel
 
 
 def workload_parser(doc: str) -> argparse.ArgumentParser:
     """The command line of one bf16 attention workload (shared with kernel_times.py)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--kernel-dir", type=Path, default=ROOT / "build",
-                        help="folder holding build/<variant>/")
+    parser.add_argument("--kernel-dir", type=Path, default=REPO_ROOT / "build",
+                        help="the build directory (holding <variant>/)")
     parser.add_argument("--backend", default="cuda", choices=("cuda", "triton"))
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=4)
@@ -42,8 +48,7 @@ def load_workload(args):
         print(f"{Path(sys.argv[0]).name} needs a CUDA GPU")
         raise SystemExit(2)
     os.environ["FLASH_ATTN_HUB_BACKEND"] = args.backend
-    import kernels
-    flash_attn = kernels.get_local_kernel(args.kernel_dir.resolve().parent)
+    flash_attn = load_local_kernel(args.kernel_dir)
     hq, hkv = (int(x) for x in args.heads.split("/"))
     b, s, d = args.batch, args.seqlen, args.head_dim
     torch.manual_seed(0)

@@ -1,26 +1,24 @@
-"""GPU ONLY: time candidate tile configs of the Triton forward kernel, write the tuning file.
+"""``python -m flash_attn_hub tune fwd`` (GPU only): time candidate tile configs of the Triton
+forward kernel, write the tuning file.
 
-    python benchmarks/tune_triton_fwd.py --quick        # D=128, S=4096, coordinate descent
-                                                        # and coupled pairs
-    python benchmarks/tune_triton_fwd.py                # D 64/128/192/256 x S 1k/4k/16k, exhaustive
-    python benchmarks/tune_triton_fwd.py --head-dims 128 --seqlens 4096 16384 --out /tmp/t.json
+    python -m flash_attn_hub tune fwd --quick     # D=128, S=4096, coordinate descent and coupled pairs
+    python -m flash_attn_hub tune fwd             # D 64/128/192/256 x S 1k/4k/16k, exhaustive
+    python -m flash_attn_hub tune fwd --head-dims 128 --seqlens 4096 16384 --out /tmp/t.json
 
 For each (head dim, sequence length) it times candidates of ``_triton_fwd.FwdTiles`` on a causal
-and a non-causal workload of each head shape in HEADS (bf16, 16k tokens per batch; D=128: MHA
-16/16 and GQA 32/8, as ANCHORS.md; ``--heads 16/16`` overrides) and records the best for this GPU (``torch.cuda.get_device_name``), its head-dim bucket and
-sequence-length bucket in ``torch-ext/flash_attn/triton_fwd_configs.json`` (or ``--out``),
-merged with the entries already there. Search, timing and the summary table printed last are
-``_tune_common``'s; long-format results go to ``$OUT/tune_triton_fwd.jsonl`` when ``OUT`` is set.
+and a non-causal problem of each head shape in HEADS (bf16, 16k tokens per batch; D=128: MHA
+16/16 and GQA 32/8; ``--heads 16/16`` overrides) and records the best for this GPU
+(``torch.cuda.get_device_name``), its head-dim bucket and sequence-length bucket in the source
+tree's ``torch-ext/flash_attn/triton_fwd_configs.json`` (or ``--out``), merged with the entries
+already there. Search, timing and the summary table printed last are ``common``'s.
 """
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-import _tune_common as tc
-from flash_attn_hub.reference import attention_reference, relative_error
+from ..reference import attention_reference, relative_error
+from . import common as tc
 
 # head dim -> the (query, kv) heads of the timed shapes; a config is scored by the geo-mean over
 # all of them, so one entry per bucket serves MHA and GQA alike (as in tune_triton_bwd.py).
@@ -37,7 +35,7 @@ SPACE = {
     # stages, so a third stage or 128 keys may fit where D=256's tiles do not
     192: dict(block_m=(64, 128), block_n=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3)),
 }
-# Fields the quick search also varies together (``_tune_common.search``): the warps split the
+# Fields the quick search also varies together (``common.search``): the warps split the
 # query tile, and the key tile sets how many stages fit in shared memory.
 PAIRS = (("num_warps", "block_m"), ("block_n", "num_stages"))
 CHECK_SEQLEN = 304  # ragged against every tile, a multiple of 16 (no extra specialisation)
@@ -62,13 +60,13 @@ class Problem:
                          tiles=tiles)
 
 
-def main() -> int:
-    args = tc.parse_args(__doc__, sorted(HEADS), heads=True)
-    if not tc.require_gpu("tune_triton_fwd.py"):
+def run(args) -> int:
+    args = tc.finish_arguments(args, sorted(HEADS))
+    if not tc.require_gpu("tune fwd"):
         return 2
-    fwd, tuning, params_mod = tc.load("_triton_fwd", "_tuning", "_params")
+    package, (fwd, tuning, params_mod) = tc.load(args.kernel_dir, "_triton_fwd", "_tuning", "_params")
     attn_params = params_mod.AttnParams
-    session = tc.Session("tune_triton_fwd", tuning, fwd.TABLE)
+    session = tc.Session(tuning, fwd.TABLE, args.out or tc.source_path(package, fwd.TABLE.path), args.log)
     arch = tuning.arch_of(torch.device("cuda"))
 
     for head_dim in args.head_dims:
@@ -89,17 +87,13 @@ def main() -> int:
             return relative_error(check.out, ref) <= bound
 
         for seqlen in args.seqlens:
-            batch = max(1, tc.TOKENS // seqlen)
+            batch = tc.batch_for(seqlen)
             torch.manual_seed(1)
-            workloads = tc.head_shape_workloads(
-                shapes,
-                lambda heads, causal: Problem(fwd, attn_params, batch, seqlen, heads, head_dim,
-                                              causal),
-                lambda heads: 4 * batch * heads[0] * seqlen * seqlen * head_dim,
-                lambda heads: dict(head_dim=head_dim, heads=list(heads), batch=batch,
-                                   seqlen=seqlen))
+            problems = tc.head_shape_problems(
+                shapes, lambda heads, causal: Problem(fwd, attn_params, batch, seqlen, heads, head_dim, causal),
+                seqlen=seqlen, head_dim=head_dim, mode="fwd")
             tag = f"D={head_dim} S={seqlen}"
-            score, results = session.scorer(correct, workloads, tag)
+            score, results = session.scorer(correct, problems, tag)
 
             default, default_label = fwd.TABLE.default(arch, head_dim), "table default"
             if block_d != padded:
@@ -115,8 +109,4 @@ def main() -> int:
                                  f"D={head_dim}", best=best,
                            default=default, results=results, tag=tag,
                            default_label=default_label)
-    return session.finish(args.out)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return session.finish()

@@ -1,11 +1,11 @@
-"""Summarise the per-instruction stall samples that `gpu_run.sh profile` exports with
-PROFILE_SOURCE=1 (`ncu --page source --csv --print-source sass`, one CSV per report).
+"""Summarise the per-instruction stall samples of an Nsight Compute report exported as CSV
+(`ncu -i REPORT.ncu-rep --page source --csv --print-source sass`; see tools/profile_kernels.py).
 
 For each kernel in the file: the stall reasons over all samples, the samples by how often an
 instruction ran (per step, per tile, once per CTA: that separates a kernel's loop from its
 prologue and epilogue), and the instructions with the most samples with their two main reasons.
 
-    python3 scripts/sass_stalls.py profile/profile-sass.csv [--top 30]
+    python3 -m tools.sass_stalls sass.csv [--top 30]
 """
 
 from __future__ import annotations

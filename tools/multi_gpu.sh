@@ -3,18 +3,19 @@
 # (accelerate launch --config_file benchmarks/fsdp2.yaml), every rank loading the kernel
 # from an embedded Hub on 127.0.0.1 that this script starts and publishes to:
 #
-#   bash scripts/multi_gpu.sh [--cpu] [--local] [-- <train_trl.py arguments>]
+#   bash tools/multi_gpu.sh [--cpu] [--local] [-- <train_trl.py arguments>]
 #
 #   --cpu    no GPU: the noarch torch-cpu variant, gloo, --tiny (a smoke test of the same path;
 #            accelerate has no FSDP on CPU, so it trains with DDP and the results say so)
 #   --local  skip the Hub: every rank loads the build through LOCAL_KERNELS (--kernel-dir)
 #
-# Environment: NPROC (default 2), IMPLS (default ours,sdpa), OUT (default /tmp/multi-gpu-out),
+# Environment: PYTHON (default .venv/bin/python, else python3 with the carried wheels),
+# NPROC (default 2), IMPLS (default ours,sdpa), OUT (default /tmp/multi-gpu-out),
 # BUILD_DIR (default build), BUILD_ARGS (more `flash_attn_hub build` arguments, e.g.
 # "--backend cuda"), TRAIN_TIMEOUT (seconds, default 480).
 # Results: $OUT/train/{train.json,TRAIN.md,loss.png} (train.json holds every rank's numbers
 # under results[i].ranks), logs in $OUT/*.log. Python packages the GPU image lacks are
-# installed from the wheels in .whl/ into /tmp/site, as scripts/gpu_run.sh's setup does.
+# installed from the wheels in .whl/ into /tmp/site, as tools/gpu_run.sh's setup does.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,7 +48,9 @@ BUILD_DIR=${BUILD_DIR:-build}
 mkdir -p "$OUT"
 log() { echo "[multi_gpu $(date +%H:%M:%S)] $*"; }
 
-if [[ -x .venv/bin/python ]]; then
+if [[ -n ${PYTHON:-} ]]; then  # an interpreter named by the caller (a test runs its own)
+  PY=$PYTHON
+elif [[ -x .venv/bin/python ]]; then
   PY=.venv/bin/python
 else  # the GPU image: its python plus the carried wheels
   PY=python3

@@ -1,12 +1,13 @@
-"""The candidate loop shared by tune_triton_fwd.py and tune_triton_bwd.py (GPU only).
+"""The candidate search shared by ``python -m flash_attn_hub tune fwd`` and ``tune bwd`` (GPU only).
 
-A script describes its kernel (the package module, the config dataclass, candidate values per
-config field, a correctness check and the timed workloads); this module does the rest: command
-line, search, timing, the long-format log, the tuning file and the summary table.
+A kernel's module (``fwd.py``, ``bwd.py``) describes its kernel (the package modules, the config
+dataclass, candidate values per config field, a correctness check and the timed problems); this
+module does the rest: command line, search, timing, the long-format log, the tuning file and the
+summary table.
 
 Search: ``--quick`` walks the fields one at a time from the table's default (coordinate descent:
 each field takes its best value before the next is tried, so the cost is the sum of the value
-counts, not their product), then tries every combination of each pair of fields a script names
+counts, not their product), then tries every combination of each pair of fields a kernel names
 as coupled (warps with the tile they split: one alone can lose where both together win; the
 H200's 4-warp, 64-key dK/dV tiles were missed that way). It repeats both passes from the new
 best until a round changes nothing (at most ``QUICK_ROUNDS``): a field settled early is tried
@@ -15,22 +16,24 @@ and kept it at 3 stages untimed). Timed configs are cached, so a repeat costs on
 neighbours. Unless told otherwise it tunes only D=128 at S=4096, the anchor configuration.
 Without ``--quick`` every combination of the candidate values is timed.
 
-Timing: ``triton.testing.do_bench`` median after warm-up, bf16, fresh random inputs, 16k tokens
-per batch (ANCHORS.md). A candidate's score is the geometric mean of its TFLOP/s over the
-workloads (causal and non-causal). A candidate is first checked against the float64 reference;
-one that fails, or does not compile (shared memory, registers), is reported and skipped.
+Timing and counting are the benchmark's (``bench.timing``, ``bench.workloads``): the median of
+``triton.testing.do_bench``, bf16, fresh random inputs, 16k tokens per batch, FLOPs by the one
+rule. A candidate's score is the geometric mean of its TFLOP/s over the timed problems (causal
+and non-causal). A candidate is first checked against the float64 oracle; one that fails, or
+does not compile (shared memory, registers), is reported and skipped.
+
+Our package is loaded from a local build, the way users load it (``kernels``); the tuned
+entries go to the source tree's table (or ``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import importlib
 import itertools
 import json
 import math
-import os
 import sys
 import types
 from pathlib import Path
@@ -38,32 +41,35 @@ from typing import Callable
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-PACKAGE = REPO / "torch-ext" / "flash_attn"
+from .. import REPO_ROOT
+from ..bench.timing import Timing, median_ms
+from ..bench.workloads import TOKENS_PER_BATCH, Workload, attention_flops
 
-TOKENS = 16384  # per batch: B = TOKENS // S (ANCHORS.md)
-
-
-def load(*names: str, package: Path = PACKAGE,
-         alias: str = "flash_attn_tune") -> list[types.ModuleType]:
-    """Modules of the package straight from a source tree (no build, no ``_ops``): this
-    repository's by default, or another copy of it (``package``) under its own ``alias``."""
-    if alias not in sys.modules:
-        module = types.ModuleType(alias)
-        module.__path__ = [str(package)]
-        sys.modules[alias] = module
-    return [importlib.import_module(f"{alias}.{name}") for name in names]
+SOURCE_PACKAGE = REPO_ROOT / "torch-ext" / "flash_attn"
 
 
-def parse_args(doc: str, head_dims: list[int], *, heads: bool = False) -> argparse.Namespace:
-    """The tuning scripts' command line; ``heads`` adds ``--heads HQ/HKV ...`` (the timed head
-    shapes, parsed to ``[(hq, hkv), ...]``; None when not given)."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    if heads:
-        parser.add_argument("--heads", type=_parse_heads, nargs="+", default=None,
-                            help="query/kv head counts of the timed shapes, e.g. 16/16 32/8")
+def load(kernel_dir: Path | None, *names: str) -> tuple[types.ModuleType, list[types.ModuleType]]:
+    """Our package loaded from a local build (``kernel_dir``, else this repository's build/,
+    built when missing) and its submodules ``names``."""
+    from ..bench import load_local_kernel
+
+    package = load_local_kernel(kernel_dir)
+    return package, [importlib.import_module(f"{package.__name__}.{name}") for name in names]
+
+
+def source_path(package: types.ModuleType, path: Path) -> Path:
+    """The source tree's counterpart of ``path``, a file of the loaded ``package`` (the tuning
+    file a table reads: tuning writes the source, which the next build ships)."""
+    root = Path(package.__file__).resolve().parent
+    return SOURCE_PACKAGE / Path(path).resolve().relative_to(root)
+
+
+def add_arguments(parser: argparse.ArgumentParser, head_dims: list[int]) -> None:
+    """The command line of ``tune fwd`` / ``tune bwd``."""
+    parser.add_argument("--heads", type=_parse_heads, nargs="+", default=None,
+                        help="query/kv head counts of the timed shapes, e.g. 16/16 32/8")
     parser.add_argument("--head-dims", type=int, nargs="+", default=None,
-                        help=f"default {head_dims}; with --quick 128")
+                        help=f"default {' '.join(map(str, head_dims))}; with --quick 128")
     parser.add_argument("--seqlens", type=int, nargs="+", default=None,
                         help="sequence lengths, one tuning-file bucket each; default 1024 4096 "
                              "16384, with --quick 4096")
@@ -71,12 +77,19 @@ def parse_args(doc: str, head_dims: list[int], *, heads: bool = False) -> argpar
                         help="coordinate descent and coupled pairs instead of every "
                              "combination (minutes, not hours)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="tuning file to merge into (default: the package's)")
-    parser.add_argument("--space", action="append", default=[], metavar="FIELD=V1,V2",
+                        help="tuning file to merge into (default: the source tree's, which the next build ships)")
+    parser.add_argument("--log", type=Path, default=None,
+                        help="also append every timed candidate to this JSON-lines file")
+    parser.add_argument("--space", action="append", default=[], type=_parse_space, metavar="FIELD=V1,V2",
                         help="search only these fields, over these values (repeatable), e.g. "
                              "--space atomic_dq=0,1 --space dkdv_block_m=32,64")
-    args = parser.parse_args()
-    args.space = dict(_parse_space(item) for item in args.space)
+    parser.add_argument("--kernel-dir", type=Path, default=None,
+                        help="the build to load (default: build/, built when missing)")
+
+
+def finish_arguments(args: argparse.Namespace, head_dims: list[int]) -> argparse.Namespace:
+    """Defaults that depend on ``--quick``; ``--space`` as a dict."""
+    args.space = dict(args.space)
     args.head_dims = args.head_dims or ([128] if args.quick else head_dims)
     args.seqlens = args.seqlens or ([4096] if args.quick else [1024, 4096, 16384])
     return args
@@ -91,9 +104,13 @@ def _parse_heads(item: str) -> tuple[int, int]:
 
 def _parse_space(item: str) -> tuple[str, tuple]:
     field, _, values = item.partition("=")
-    if not field or not values:
-        raise SystemExit(f"--space: expected FIELD=V1,V2, got {item!r}")
-    return field, tuple(int(v) for v in values.split(","))
+    try:
+        parsed = tuple(int(v) for v in values.split(","))
+    except ValueError:
+        parsed = ()
+    if not field or not parsed:
+        raise argparse.ArgumentTypeError(f"expected FIELD=V1,V2 with integer values, got {item!r}")
+    return field, parsed
 
 
 def narrow(space: dict[str, tuple], override: dict[str, tuple]) -> dict[str, tuple]:
@@ -159,31 +176,46 @@ def attn_params(params_cls, head_dim: int, causal: bool, seqlen: int):
 
 
 @dataclasses.dataclass
-class Workload:
-    """One timed call: ``run(config)`` launches the kernels, ``flops`` counts as ANCHORS.md."""
-    label: str  # "full" | "causal", after the head shape when a script times several ("32/8 full")
+class Timed:
+    """One timed call: ``run(config)`` launches the kernels on ``workload`` in ``mode``."""
+    label: str  # "full" | "causal", after the head shape when several are timed ("32/8 full")
     run: Callable
-    flops: float
-    shape: dict
+    workload: Workload
+    mode: str  # "fwd" | "bwd"
+
+    @property
+    def flops(self) -> float:
+        return attention_flops(self.workload, self.mode)
+
+    @property
+    def shape(self) -> dict:
+        w = self.workload
+        return dict(head_dim=w.head_dim, heads=[w.heads_q, w.heads_kv], batch=w.batch, seqlen=w.seqlen_q)
 
 
-def full_and_causal(problem: Callable, flops: float, shape: dict) -> list[Workload]:
-    """The non-causal and the causal workload of one shape: ``problem(causal)`` builds the
-    object whose ``run(config)`` is timed; ``flops`` is the non-causal count (causal: half)."""
-    return [Workload("causal" if causal else "full", problem(causal).run,
-                     flops / (2 if causal else 1), shape) for causal in (False, True)]
+def tuning_workload(batch: int, seqlen: int, heads: tuple[int, int], head_dim: int, causal: bool) -> Workload:
+    return Workload("tune", batch, seqlen, seqlen, heads[0], heads[1], head_dim, causal)
 
 
-def head_shape_workloads(shapes, problem: Callable, flops: Callable, shape: Callable) -> list[Workload]:
-    """:func:`full_and_causal` for each ``(hq, hkv)`` in ``shapes`` (a config is scored over
-    all of them): ``problem(heads, causal)``, ``flops(heads)`` and ``shape(heads)`` as there.
-    With several shapes each label names its heads, e.g. ``32/8 causal``."""
-    workloads = []
+def batch_for(seqlen: int) -> int:
+    """16k tokens per batch, as the benchmark's grids."""
+    return max(1, TOKENS_PER_BATCH // seqlen)
+
+
+def head_shape_problems(shapes, problem: Callable, *, seqlen: int, head_dim: int, mode: str) -> list[Timed]:
+    """The non-causal and the causal problem of each ``(hq, hkv)`` in ``shapes`` (a config is
+    scored over all of them), 16k tokens per batch; ``problem(heads, causal)`` builds the object
+    whose ``run(config)`` is timed. With several shapes each label names its heads
+    (``32/8 causal``)."""
+    batch = batch_for(seqlen)
+    timed = []
     for heads in shapes:
-        for w in full_and_causal(lambda causal: problem(heads, causal), flops(heads), shape(heads)):
-            label = w.label if len(shapes) == 1 else f"{heads[0]}/{heads[1]} {w.label}"
-            workloads.append(dataclasses.replace(w, label=label))
-    return workloads
+        for causal in (False, True):
+            label = "causal" if causal else "full"
+            timed.append(Timed(label if len(shapes) == 1 else f"{heads[0]}/{heads[1]} {label}",
+                               problem(heads, causal).run,
+                               tuning_workload(batch, seqlen, heads, head_dim, causal), mode))
+    return timed
 
 
 def short(config) -> str:
@@ -194,23 +226,18 @@ def short(config) -> str:
 
 
 class Session:
-    """Timing, logging and the tuning file of one script run."""
+    """Timing, logging and the tuning file of one tuning run."""
 
-    def __init__(self, script: str, tuning, table):
+    def __init__(self, tuning, table, out: Path, log: Path | None = None):
         import triton
-        from triton.testing import do_bench
 
-        self._do_bench = do_bench
-        self.script, self.tuning, self.table = script, tuning, table
+        self.tuning, self.table, self.out, self.log = tuning, table, out, log
         self.gpu = torch.cuda.get_device_name()
-        self.stamp = datetime.date.today().isoformat()
         self.versions = f"torch {torch.__version__}, triton {triton.__version__}"
-        out = os.environ.get("OUT")
-        self.log = Path(out) / f"{script}.jsonl" if out else None
         self.entries: list[dict] = []
         self.summary: list[tuple] = []
 
-    def measure(self, config, check: Callable, workloads: list[Workload], tag: str = ""):
+    def measure(self, config, check: Callable, problems: list[Timed], tag: str = ""):
         """``(geo-mean TFLOP/s, {label: TFLOP/s})`` of ``config``, or None if it fails."""
         name = f"{tag} {short(config)}".strip()
         try:
@@ -218,14 +245,13 @@ class Session:
                 print(f"{name}: WRONG RESULT, skipped", flush=True)
                 return None
             rates = {}
-            for work in workloads:
-                ms = self._do_bench(lambda: work.run(config), warmup=25, rep=100,
-                                    return_mode="median")
+            for work in problems:
+                ms = median_ms(lambda: work.run(config), device="cuda", timing=Timing())
                 rates[work.label] = work.flops / ms * 1e-9
                 if self.log:
                     with self.log.open("a") as log:
                         log.write(json.dumps(dict(
-                            provider="ours-triton", mode=self.table.kernel, config=short(config),
+                            provider="ours-triton", mode=work.mode, config=short(config),
                             mask=work.label, ms=ms, tflops=rates[work.label], gpu=self.gpu,
                             versions=self.versions, **work.shape)) + "\n")
         except Exception as err:  # out of shared memory / registers: not a candidate
@@ -236,7 +262,7 @@ class Session:
               + f" TFLOP/s ({' / '.join(rates)})", flush=True)
         return score, rates
 
-    def scorer(self, check: Callable, workloads: list[Workload], tag: str):
+    def scorer(self, check: Callable, problems: list[Timed], tag: str):
         """``(score, results)``: ``score(config)`` measures a config once (``results`` keeps
         each :meth:`measure` by :func:`short`) and returns its geo-mean, None if it failed."""
         results = {}
@@ -244,7 +270,7 @@ class Session:
         def score(config):
             key = short(config)
             if key not in results:
-                results[key] = self.measure(config, check, workloads, tag)
+                results[key] = self.measure(config, check, problems, tag)
             return results[key] and results[key][0]
         return score, results
 
@@ -261,7 +287,7 @@ class Session:
         versus = ""
         if default_result and short(best) != short(default):
             versus = f"; {default_label} {short(default)}: {default_result[0]:.0f}"
-        reason = (f"measured {self.stamp} on {self.gpu} ({self.versions}): bf16 {shape}, "
+        reason = (f"measured on {self.gpu} ({self.versions}): bf16 {shape}, "
                   + ", ".join(f"{lab} {r:.0f}" for lab, r in rates.items())
                   + f" TFLOP/s, geo-mean {score:.0f}{versus}")
         bucket = self.tuning.seqlen_bucket(seqlen)
@@ -271,13 +297,10 @@ class Session:
         base = default_result[0] if default_result else float("nan")
         self.summary.append((block_d, seqlen, short(best), rates, score, base))
 
-    def finish(self, out: Path | None) -> int:
-        target = out or self.table.path
+    def finish(self) -> int:
         if self.entries:
-            self.tuning.write_entries(target, self.table.kernel, self.entries)
-            print(f"wrote {len(self.entries)} entries to {target}")
-            if os.environ.get("OUT") and Path(os.environ["OUT"]) not in target.parents:
-                Path(os.environ["OUT"], target.name).write_text(target.read_text())
+            self.tuning.write_entries(self.out, self.table.kernel, self.entries)
+            print(f"wrote {len(self.entries)} entries to {self.out}")
         print(f"\n{self.table.kernel} on {self.gpu}: TFLOP/s of the best config "
               "(geo-mean vs the table default)")
         print(f"{'D':>4} {'S':>6}  {'full':>5} {'causal':>6} {'geo':>5} {'default':>7} "
@@ -308,8 +331,8 @@ def blackwell_fields(*names: str) -> dict[str, tuple]:
         else {}
 
 
-def require_gpu(script: str) -> bool:
+def require_gpu(command: str) -> bool:
     if torch.cuda.is_available():
         return True
-    print(f"{script} needs a CUDA GPU", file=sys.stderr)
+    print(f"{command} needs a CUDA GPU", file=sys.stderr)
     return False

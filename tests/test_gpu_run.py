@@ -1,0 +1,41 @@
+"""``tools/gpu_run.sh`` without a GPU: the bench phase with a stand-in for ``python3`` (so the
+shell logic is what is tested): the command it runs, the page it archives for the trip back,
+the logs archived, and an unknown phase failing the call."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tarfile
+
+from flash_attn_hub import REPO_ROOT
+
+# Stands in for python3: records its arguments; `-m flash_attn_hub bench --into DIR` writes a page.
+FAKE_PYTHON = """#!/usr/bin/env bash
+echo "$*" >>"$CALLS"
+if [[ $1 == -m && $2 == flash_attn_hub && $3 == bench && $4 == --into ]]; then
+  mkdir -p "$5/plots" && echo provider >"$5/results.csv" && echo "# page" >"$5/RESULTS.md"
+  : >"$5/plots/main-d256.png"
+fi
+"""
+
+
+def test_bench_phase_archives_the_page_and_the_logs(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_PYTHON)
+    (bin_dir / "python3").chmod(0o755)
+    out, page, calls = tmp_path / "out", tmp_path / "page", tmp_path / "calls"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "BENCH_PAGE": str(page),
+           "CALLS": str(calls), "BENCH_ARGS": "--head-dims 256 --append"}
+    done = subprocess.run(["bash", str(REPO_ROOT / "tools" / "gpu_run.sh"), "bench", "nope"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "unknown phase nope" in done.stdout  # the call fails, the bench stays
+    assert calls.read_text().splitlines() == [
+        f"-m flash_attn_hub bench --into {page} --kernel-dir build --no-progress --head-dims 256 --append"]
+    with tarfile.open(out / "bench.tgz") as tar:
+        assert {name.removeprefix("./") for name in tar.getnames()} >= {"RESULTS.md", "results.csv",
+                                                                       "plots/main-d256.png"}
+    with tarfile.open(out / "logs.tgz") as tar:
+        assert tar.getnames() == ["bench.log"]
+    assert sorted(p.name for p in out.iterdir()) == ["bench.tgz", "logs.tgz"]

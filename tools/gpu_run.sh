@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: set up, build the CUDA variant, test it, benchmark it against the
+# peers, publish it to an embedded Hub and load it back, and train. Phases run in the order
+# given (default: setup build test bench hub):
+#
+#   bash tools/gpu_run.sh [setup] [build] [test] [sanitize] [bench] [hub] [train]
+#
+# setup     installs the wheels carried in .whl/ (what the GPU image lacks: kernels,
+#           huggingface_hub, nvidia-cutlass, ...) into /tmp/site, and FlashAttention-4 from the
+#           two halves of .fa4/ (tools/README.md) when they are there; records GPU and versions.
+#           Every call needs it: what it exports does not outlive the call.
+# build     the CUDA variant into build/ (python -m flash_attn_hub build --backend cuda), then
+#           checked; the later phases load it from there.
+# test      the GPU tests (pytest -m gpu) against that build; TEST_ARGS narrows them
+#           (e.g. "tests/test_cuda_bwd.py -k gqa").
+# sanitize  compute-sanitizer's memcheck, racecheck and synccheck on the tests marked sanitize.
+# bench     python -m flash_attn_hub bench (the release grid unless BENCH_ARGS says otherwise)
+#           into $BENCH_PAGE (default /tmp/bench-page: it outlives the call on a warm machine),
+#           archived to $OUT/bench.tgz; unpacked into benchmarks/ it is the release page. The
+#           release grid takes one call per head dim: BENCH_ARGS="--head-dims 64", then
+#           "--head-dims 128 --append", "--head-dims 256 --append" (each call runs setup too).
+# hub       python -m flash_attn_hub release: build, check, publish to an embedded Hub, verify.
+# train     benchmarks/train_trl.py, loading ours from the embedded Hub that hub published to
+#           (run hub first); TRAIN_ARGS adds flags.
+#
+# Logs go to $OUT (default ./gpu-out), archived with the results as a few .tgz files. A tree
+# copied without .git names its commit in the file .git_sha (written by whoever copies it).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+phases=("$@")
+[[ ${#phases[@]} -eq 0 ]] && phases=(setup build test bench hub)
+export PYTHONUNBUFFERED=1
+export FLASH_ATTN_HUB_TEST_REPO=$PWD
+if [[ -z ${FLASH_ATTN_HUB_GIT_SHA:-} && -f .git_sha ]]; then
+  FLASH_ATTN_HUB_GIT_SHA=$(cat .git_sha)
+  export FLASH_ATTN_HUB_GIT_SHA
+fi
+BENCH_PAGE=${BENCH_PAGE:-/tmp/bench-page}
+status=0
+
+log() { echo "[gpu_run $(date +%H:%M:%S)] $*"; }
+
+run_phase() {
+  local name=$1; shift
+  local start=$SECONDS
+  log "phase $name: $*"
+  if "$@" >"$OUT/$name.log" 2>&1; then
+    log "phase $name ok ($((SECONDS - start)) s); tail of $name.log:"
+    tail -n 6 "$OUT/$name.log"
+  else
+    log "phase $name FAILED ($((SECONDS - start)) s); tail of $name.log:"
+    tail -n 40 "$OUT/$name.log"
+    status=1
+    return 1
+  fi
+}
+
+for phase in "${phases[@]}"; do
+  case $phase in
+    setup)
+      if [[ -d .whl ]]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+          --target /tmp/site .whl/*.whl || exit 1
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      fi
+      export CUTLASS_INCLUDE=${CUTLASS_INCLUDE:-/tmp/site/cutlass_library/source/include}
+      # FlashAttention-4 travels in two halves (over one call's carry limit): a call carrying
+      # .fa4/a leaves the first in /root/fa4, a later call carrying .fa4/b installs both.
+      if [[ -f .fa4/a/part.00 ]]; then
+        mkdir -p /root/fa4 && cp .fa4/a/* /root/fa4/
+      fi
+      if [[ -f .fa4/b/install.sh && -f /root/fa4/part.00 ]]; then
+        [[ -d /tmp/fa4site/flash_attn ]] || bash .fa4/b/install.sh /tmp/fa4site >"$OUT/fa4-install.log" 2>&1 ||
+          { log "FA4 install failed; tail of fa4-install.log:"; tail -n 20 "$OUT/fa4-install.log"; status=1; }
+        export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+      fi
+      nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+      python3 -c "import torch, triton, kernels, huggingface_hub, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'triton', triton.__version__, 'kernels', kernels.__version__, 'hf_hub', huggingface_hub.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+      python3 -c "from flash_attn.cute import flash_attn_func; from importlib.metadata import version; print('flash-attn-4', version('flash-attn-4'))" 2>/dev/null | tee -a "$OUT/gpu.txt"
+      ;;
+    build)
+      run_phase build python3 -m flash_attn_hub build --backend cuda
+      variant=$(tail -n 1 "$OUT/build.log")  # build prints the variant path last
+      [[ -n $variant ]] && run_phase check python3 -m flash_attn_hub check "$variant"
+      ;;
+    test)
+      # Triton compiles on the CPU, so the tests run in TEST_WORKERS processes sharing the GPU.
+      # shellcheck disable=SC2086
+      run_phase test timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -m gpu -q -rfE \
+        -p no:cacheprovider -n "${TEST_WORKERS:-12}" ${TEST_ARGS:-tests}
+      ;;
+    sanitize)
+      # The sanitize tests keep cuBLAS out of the run where they can (references on the CPU):
+      # racecheck reported hazards inside cuBLAS's own Hopper GEMMs, and excluding those kernels
+      # from instrumentation made the tool fail on a hardware exception.
+      for tool in memcheck racecheck synccheck; do
+        run_phase "sanitize-$tool" timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer \
+          --tool "$tool" --error-exitcode 1 \
+          python3 -m pytest -m "gpu and sanitize" -q -p no:cacheprovider tests
+      done
+      ;;
+    bench)
+      # shellcheck disable=SC2086
+      run_phase bench timeout "${BENCH_TIMEOUT:-570}" python3 -m flash_attn_hub bench --into "$BENCH_PAGE" \
+        --kernel-dir build --no-progress ${BENCH_ARGS:-}
+      [[ -f $BENCH_PAGE/results.csv ]] && tar czf "$OUT/bench.tgz" -C "$BENCH_PAGE" .
+      ;;
+    hub)
+      # HUB_ARGS adds flags, e.g. "--no-transformers" when only the train phase needs the Hub.
+      # shellcheck disable=SC2086
+      run_phase hub python3 -m flash_attn_hub release --allow-dirty ${HUB_ARGS:-}
+      ;;
+    train)
+      # Ours comes from the embedded Hub that the hub phase published to, served here on
+      # 127.0.0.1 for the length of the run.
+      python3 -m flash_attn_hub hub serve --port 8765 >"$OUT/train-hub.log" 2>&1 &
+      hub_pid=$!
+      for _ in $(seq 50); do
+        grep -q "Hub serving" "$OUT/train-hub.log" 2>/dev/null && break
+        sleep 0.2
+      done
+      if ! grep -q "Hub serving" "$OUT/train-hub.log" 2>/dev/null; then
+        log "phase train FAILED: the embedded Hub did not start; tail of train-hub.log:"
+        tail -n 20 "$OUT/train-hub.log"
+        status=1
+      else
+        # shellcheck disable=SC2086
+        run_phase train timeout "${TRAIN_TIMEOUT:-540}" python3 benchmarks/train_trl.py \
+          --endpoint http://127.0.0.1:8765 --out "$OUT/train" ${TRAIN_ARGS:-}
+      fi
+      kill "$hub_pid" 2>/dev/null
+      ;;
+    *)
+      log "unknown phase $phase"; status=1 ;;
+  esac
+done
+# A GPU machine may return only a handful of files: the train folder and the logs as archives.
+if [[ -d $OUT/train ]]; then
+  tar czf "$OUT/train.tgz" -C "$OUT" train && rm -rf "${OUT:?}/train"
+fi
+(cd "$OUT" && shopt -s nullglob && logs=(*.log gpu*.txt) && [[ ${#logs[@]} -gt 0 ]] &&
+  tar czf logs.tgz "${logs[@]}" && rm -f "${logs[@]}")
+log "done, status $status"
+exit $status
