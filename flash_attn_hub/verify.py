@@ -3,10 +3,12 @@
 Loads a published version the way users do, in a fresh process with an empty
 Hugging Face cache (``HF_HOME`` in a temporary folder, ``HF_ENDPOINT`` = the Hub):
 
-1. ``kernels.get_kernel(repo, version=N)`` (publisher trust as the Hub reports it,
-   unless ``--trust-remote-code``);
+1. ``kernels.install_kernel(repo, version=N)``: the variant kernels picks for this machine,
+   downloaded and not imported (publisher trust as the Hub reports it, unless
+   ``--trust-remote-code``);
 2. the downloaded variant against its ``metadata.json`` digest (kernels'
-   ``Digest.hash_variant`` + ``Digest.validate``: a missing, extra or changed file fails);
+   ``Digest.hash_variant`` + ``Digest.validate``: a missing, extra or changed file fails),
+   before any of its code runs, then ``kernels.get_kernel`` pinned to the checked commit;
 3. GQA forward + backward of ``flash_attn_func`` and ``flash_attn_varlen_func`` on this
    machine's device against ``flash_attn_hub/reference.py`` with its tolerance rule;
 4. with ``--transformers``: a tiny random Llama with GQA, ``attn_implementation=
@@ -39,12 +41,10 @@ def device_and_dtype():
     return torch.device("cpu"), torch.float16
 
 
-def variant_of(module) -> tuple[str, str | None, Path]:
-    """(variant name, commit sha from the cache path or None, variant folder) of a loaded kernel."""
-    folder = Path(module.__file__).parent  # not resolved: cache files are symlinks into blobs/
-    parts = folder.parts
-    sha = parts[parts.index("snapshots") + 1] if "snapshots" in parts else None
-    return folder.name, sha, folder
+def snapshot_sha(folder: Path) -> str | None:
+    """The commit sha in a Hub cache path (``.../snapshots/<sha>/build/<variant>``), or None."""
+    parts = Path(folder).parts  # not resolved: cache files are symlinks into blobs/
+    return parts[parts.index("snapshots") + 1] if "snapshots" in parts else None
 
 
 def check_digest(folder: Path) -> int:
@@ -338,16 +338,23 @@ def check_transformers_training(attn_implementation: str, *, steps: int = 3, seq
 
 def verify_in_process(repo_id: str, version: int, *, trust_remote_code: bool = False,
                       transformers: bool = False) -> dict:
-    """Steps 1-4 in this process (the caller has pointed huggingface_hub at the Hub)."""
+    """Steps 1-4 in this process (the caller has pointed huggingface_hub at the Hub).
+
+    No downloaded code runs before the digest check: importing first would let a tampered
+    ``__init__.py`` replace the check itself. The import is pinned to the checked commit, whose
+    cached files huggingface_hub reuses as they are."""
     import kernels
     from huggingface_hub import HfApi
 
     tips = {b.name: b.target_commit for b in HfApi().list_repo_refs(repo_id, repo_type="kernel").branches}
-    module = kernels.get_kernel(repo_id, version=version, trust_remote_code=trust_remote_code)
-    variant, sha, folder = variant_of(module)
+    folder = Path(kernels.install_kernel(repo_id, version=version, trust_remote_code=trust_remote_code))
+    variant, sha = folder.name, snapshot_sha(folder)
     if sha != tips.get(f"v{version}"):
-        raise AssertionError(f"loaded {sha} but v{version} is at {tips.get(f'v{version}')}")
+        raise AssertionError(f"downloaded {sha} but v{version} is at {tips.get(f'v{version}')}")
     files = check_digest(folder)
+    module = kernels.get_kernel(repo_id, revision=sha, trust_remote_code=trust_remote_code)
+    if Path(module.__file__).parent != folder:
+        raise AssertionError(f"kernels imported {module.__file__}, not the checked variant {folder}")
     check_attention(module)
     result = {"variant": variant, "sha": sha, "files": files}
     if transformers:

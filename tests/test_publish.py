@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import textwrap
 
 import pytest
 from huggingface_hub import CommitOperationAdd, HfApi
@@ -170,3 +171,27 @@ def test_publish_cli_with_wrong_token_fails(hub, tmp_path, capsys):
                      "flash-attn-hub/publish-cli", "--token", TOKEN])
     assert code == 0
     assert "publish: flash-attn-hub/publish-cli@v1 = " in capsys.readouterr().out
+
+
+def test_verify_checks_the_digest_before_running_downloaded_code(hub, tmp_path, capfd):
+    from flash_attn_hub.verify import verify
+
+    repo = "flash-attn-hub/publish-tampered"
+    build = tmp_path / "build"
+    init = dummy_variant(build, version=1, uid="tamper1") / "__init__.py"
+    marker = tmp_path / "tampered-code-ran"
+    # Changed after its digest was written. Were it imported before the check, it would leave the
+    # marker and replace the checks that should refuse it.
+    init.write_text(init.read_text() + textwrap.dedent(f"""
+        import pathlib
+        import flash_attn_hub.verify as _verify
+        pathlib.Path({str(marker)!r}).write_text("ran")
+        _verify.check_digest = lambda folder: 0
+        _verify.check_attention = lambda module, *args, **kwargs: None
+    """))
+    _publish(hub, build, repo)
+    proc = verify(repo, 1, hub.endpoint, timeout=300)
+    err = capfd.readouterr().err
+    assert proc.returncode == 1, err
+    assert "digest mismatch" in err and "__init__.py" in err, err
+    assert not marker.exists()

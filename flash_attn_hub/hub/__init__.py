@@ -9,6 +9,11 @@ the token (``--token``, else the one saved in ``DIR/token``, created on first us
 The organisations given with ``--trust`` (default: the project's own org) are
 reported as ``trustedKernelPublisher``, so ``kernels.get_kernel`` and transformers
 load them without ``trust_remote_code`` / ``allow_all_kernels``.
+
+Every repository is public: reads are open to whoever reaches the port, and a request
+to create a private one is refused (400) rather than accepted and served openly.
+The server is uvicorn + Starlette (see :mod:`.server` for why); ``hub serve`` runs it
+in the foreground, ``release`` and the tests in a background thread.
 """
 
 from __future__ import annotations
@@ -19,11 +24,11 @@ import secrets
 from pathlib import Path
 
 from .. import DEFAULT_REPO_ID
-from .server import HubServer
+from .server import HubServer, Limits
 from .store import GitStore, HubError
 
-__all__ = ["HubServer", "GitStore", "HubError", "default_data_dir", "load_or_create_token",
-           "start_embedded_hub", "register"]
+__all__ = ["HubServer", "GitStore", "HubError", "Limits", "default_data_dir", "load_or_create_token",
+           "make_hub", "start_embedded_hub", "register"]
 
 DEFAULT_TRUSTED_ORG = DEFAULT_REPO_ID.split("/")[0]
 
@@ -47,31 +52,38 @@ def load_or_create_token(data_dir: Path) -> str:
     return token
 
 
-def start_embedded_hub(data_dir: Path | None = None, *, port: int = 0, token: str | None = None,
-                       trusted_orgs: list[str] | None = None, host: str = "127.0.0.1") -> HubServer:
-    """Start the Hub in a background thread (``port=0``: an ephemeral port) and return it;
-    ``server.endpoint`` is its URL, ``server.token`` the write token, ``server.stop()`` ends it."""
+def make_hub(data_dir: Path | None = None, *, port: int = 0, token: str | None = None,
+             trusted_orgs: list[str] | None = None, host: str = "127.0.0.1", limits: Limits = Limits()) -> HubServer:
+    """The Hub over ``data_dir``, bound to ``host:port`` (``port=0``: an ephemeral port), not yet
+    serving; ``server.endpoint`` is its URL, ``server.token`` the write token."""
     data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
-    store = GitStore(data_dir)
     token = token or load_or_create_token(data_dir)
     trusted = frozenset(trusted_orgs if trusted_orgs is not None else [DEFAULT_TRUSTED_ORG])
-    return HubServer((host, port), store, token=token, trusted_orgs=trusted).start()
+    store = GitStore(data_dir)
+    try:
+        return HubServer((host, port), store, token=token, trusted_orgs=trusted, limits=limits)
+    except BaseException:
+        store.close()
+        raise
+
+
+def start_embedded_hub(data_dir: Path | None = None, **kwargs) -> HubServer:
+    """:func:`make_hub` serving in a background thread; ``server.stop()`` ends it."""
+    return make_hub(data_dir, **kwargs).start()
 
 
 def _serve(args: argparse.Namespace) -> int:
     data_dir = Path(args.data) if args.data else default_data_dir()
-    server = start_embedded_hub(data_dir, port=args.port, token=args.token, trusted_orgs=args.trust or None)
+    server = make_hub(data_dir, port=args.port, token=args.token, trusted_orgs=args.trust or None)
     print(f"Hub serving {data_dir} at {server.endpoint} (trusted publishers: "
           f"{', '.join(sorted(server.trusted_orgs)) or 'none'})", flush=True)
     print(f"  export HF_ENDPOINT={server.endpoint}", flush=True)
     if not args.token:
         print(f"  write token: {data_dir / 'token'}", flush=True)
     try:
-        server._thread.join()
-    except KeyboardInterrupt:
+        server.serve_forever()  # until SIGINT/SIGTERM, once the requests in flight have finished
+    except KeyboardInterrupt:  # uvicorn re-raises the signal it handled once it has shut down
         pass
-    finally:
-        server.stop()
     return 0
 
 
