@@ -112,7 +112,8 @@ def main() -> int:
     args = tc.parse_args(__doc__, sorted(HEADS), heads=True)
     if not tc.require_gpu("tune_triton_bwd.py"):
         return 2
-    bwd, fwd, tuning, params_mod = tc.load("_triton_bwd", "_triton_fwd", "_tuning", "_params")
+    bwd, fwd, tuning, params_mod = tc.load("_triton.bwd", "_triton.fwd", "_triton.tuning",
+                                          "_params")
     attn_params = params_mod.AttnParams
     session = tc.Session("tune_triton_bwd", tuning, bwd.TABLE)
     arch = tuning.arch_of(torch.device("cuda"))

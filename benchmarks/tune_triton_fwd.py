@@ -66,7 +66,7 @@ def main() -> int:
     args = tc.parse_args(__doc__, sorted(HEADS), heads=True)
     if not tc.require_gpu("tune_triton_fwd.py"):
         return 2
-    fwd, tuning, params_mod = tc.load("_triton_fwd", "_tuning", "_params")
+    fwd, tuning, params_mod = tc.load("_triton.fwd", "_triton.tuning", "_params")
     attn_params = params_mod.AttnParams
     session = tc.Session("tune_triton_fwd", tuning, fwd.TABLE)
     arch = tuning.arch_of(torch.device("cuda"))

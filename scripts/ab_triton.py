@@ -50,16 +50,16 @@ def main() -> int:
     args = parser.parse_args()
     if not tc.require_gpu("ab_triton.py"):
         return 2
-    if not (args.baseline / "_triton_fwd.py").is_file():
-        parser.error(f"--baseline {args.baseline}: no _triton_fwd.py there")
+    if not (args.baseline / "_triton" / "fwd.py").is_file():
+        parser.error(f"--baseline {args.baseline}: no _triton/fwd.py there")
     from triton.testing import do_bench
 
-    ours_fwd, params_mod = tc.load("_triton_fwd", "_params")
-    base_fwd, = tc.load("_triton_fwd", package=args.baseline, alias="flash_attn_baseline")
+    ours_fwd, params_mod = tc.load("_triton.fwd", "_params")
+    base_fwd, = tc.load("_triton.fwd", package=args.baseline, alias="flash_attn_baseline")
     attn_params = params_mod.AttnParams
     if args.kernel == "bwd":
-        ours_bwd, = tc.load("_triton_bwd")
-        base_bwd, = tc.load("_triton_bwd", package=args.baseline, alias="flash_attn_baseline")
+        ours_bwd, = tc.load("_triton.bwd")
+        base_bwd, = tc.load("_triton.bwd", package=args.baseline, alias="flash_attn_baseline")
     print(f"{torch.cuda.get_device_name()}: {args.kernel}, D={args.head_dim}, ours "
           f"{tc.PACKAGE} against {args.baseline}, median of {args.rounds} rounds", flush=True)
     for seqlen in args.seqlens:

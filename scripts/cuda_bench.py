@@ -50,10 +50,10 @@ def main() -> int:
     pkg = load_package(args.kernel_dir, args.import_path)
     cuda_be = importlib.import_module(pkg.__name__ + "._cuda")
     try:
-        triton_be = importlib.import_module(pkg.__name__ + "._triton_fwd")
+        triton_be = importlib.import_module(pkg.__name__ + "._triton.fwd")
     except ModuleNotFoundError:
         triton_be = None
-        print("no _triton_fwd in this build: skipping that provider")
+        print("no _triton.fwd in this build: skipping that provider")
     AttnParams = importlib.import_module(pkg.__name__ + "._params").AttnParams
 
     h, d = args.heads, args.head_dim
