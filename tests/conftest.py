@@ -53,6 +53,12 @@ def cuda_backend(flash_attn):
 
 
 @pytest.fixture(scope="module")
+def heuristics(flash_attn):
+    """The package's launch heuristics (``_heuristics``)."""
+    return importlib.import_module(flash_attn.__name__ + "._heuristics")
+
+
+@pytest.fixture(scope="module")
 def attn_params(flash_attn):
     """The package's ``AttnParams`` (test files that load the source package override it)."""
     return importlib.import_module(flash_attn.__name__ + "._params").AttnParams

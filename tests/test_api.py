@@ -62,8 +62,9 @@ def test_import_loads_no_backend(flash_attn):
         "print(','.join(loaded))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True)
-    loaded = {name.rsplit(".", 1)[1] for name in done.stdout.strip().split(",") if name}
-    assert not loaded & {"_cpu", "_triton_fwd", "_triton_bwd", "_cuda"}, loaded
+    loaded = {name.split(".", 1)[1] for name in done.stdout.strip().split(",") if name}
+    assert not {name for name in loaded
+                if name.split(".")[0] in ("_cpu", "_cuda", "_triton")}, loaded
 
 
 @pytest.mark.kernels_ci
@@ -290,9 +291,9 @@ def test_triton_through_the_api_under_the_interpreter(flash_attn):
     """FLASH_ATTN_HUB_BACKEND=triton on CPU tensors (fp16; the interpreter needs
     TRITON_INTERPRET=1 before the kernels are defined, hence a fresh interpreter)."""
     variant = Path(flash_attn.__file__).parent
-    if not (variant / "_triton_fwd.py").exists():
+    if not (variant / "_triton" / "fwd.py").exists():
         pytest.skip("this build has no Triton forward")
-    grad = (variant / "_triton_bwd.py").exists()
+    grad = (variant / "_triton" / "bwd.py").exists()
     code = TRITON_THROUGH_API.format(root=str(variant.parents[1]), grad=grad)
     tests = Path(__file__).resolve().parent  # helpers, and the repository root for the oracle
     path = [str(tests), str(tests.parent)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
@@ -353,10 +354,13 @@ class _FakeCuda:
 @pytest.fixture
 def dispatch(flash_attn, monkeypatch):
     """``_dispatch`` with a fresh log memory, whose choice returns the module's name instead
-    of importing it."""
+    of importing it, and whose heuristics prefer no backend (tests set a preference)."""
     module = submodule(flash_attn, "_dispatch")
     monkeypatch.setattr(module, "_logged", set())
     monkeypatch.setattr(module, "_import", lambda name: name)
+    for direction in ("forward", "backward"):
+        monkeypatch.setattr(module._heuristics, f"{direction}_prefers_triton",
+                            lambda q, k, params: None)
     return module
 
 
@@ -368,9 +372,9 @@ def _select(dispatch, direction, **features):
 
 @pytest.mark.kernels_ci
 @pytest.mark.parametrize("requested, direction, expected", [
-    ("auto", "forward", "_cuda"), ("auto", "backward", "_triton_bwd"),
-    ("cuda", "forward", "_cuda"), ("cuda", "backward", "_triton_bwd"),
-    ("triton", "forward", "_triton_fwd"), ("cpu", "backward", "_cpu"),
+    ("auto", "forward", "_cuda"), ("auto", "backward", "_triton.bwd"),
+    ("cuda", "forward", "_cuda"), ("cuda", "backward", "_triton.bwd"),
+    ("triton", "forward", "_triton.fwd"), ("cpu", "backward", "_cpu"),
 ])
 def test_dispatch_cuda_tensors(dispatch, monkeypatch, requested, direction, expected):
     fake = _FakeCuda()
@@ -387,7 +391,7 @@ def test_dispatch_auto_skips_unvalidated_cuda(dispatch, monkeypatch):
     fake = _FakeCuda(validated=False)
     monkeypatch.setattr(dispatch, "_cuda", lambda: fake)
     monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "auto")
-    assert _select(dispatch, "forward") == "_triton_fwd"
+    assert _select(dispatch, "forward") == "_triton.fwd"
     assert fake.calls == []
     monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "cuda")
     assert _select(dispatch, "forward") == "_cuda"
@@ -402,11 +406,12 @@ def test_dispatch_auto_skips_unvalidated_cuda_backward(dispatch, monkeypatch):
     monkeypatch.setattr(dispatch, "_cuda", lambda: fake)
     monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "auto")
     assert _select(dispatch, "forward") == "_cuda"
-    assert _select(dispatch, "backward") == "_triton_bwd"
+    assert _select(dispatch, "backward") == "_triton.bwd"
     fake.BWD_VALIDATED = True
     assert _select(dispatch, "backward") == "_cuda"
-    fake.backward_prefers_triton = lambda q, k, params: "a small banded grid"
-    assert _select(dispatch, "backward") == "_triton_bwd"  # auto follows the preference
+    monkeypatch.setattr(dispatch._heuristics, "backward_prefers_triton",
+                        lambda q, k, params: "a small banded grid")
+    assert _select(dispatch, "backward") == "_triton.bwd"  # auto follows the preference
     monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "cuda")
     assert _select(dispatch, "backward") == "_cuda"  # a forced backend does not
     fake.BWD_VALIDATED = False
@@ -415,14 +420,15 @@ def test_dispatch_auto_skips_unvalidated_cuda_backward(dispatch, monkeypatch):
 
 @pytest.mark.kernels_ci
 def test_dispatch_auto_follows_forward_preference(dispatch, monkeypatch):
-    """``auto`` runs a supported forward on Triton when ``_cuda.forward_prefers_triton`` says
-    why (decode); ``cuda`` still runs it on the compiled kernel."""
+    """``auto`` runs a supported forward on Triton when ``_heuristics.forward_prefers_triton``
+    says why (decode); ``cuda`` still runs it on the compiled kernel."""
     fake = _FakeCuda()
     monkeypatch.setattr(dispatch, "_cuda", lambda: fake)
     monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "auto")
     assert _select(dispatch, "forward") == "_cuda"
-    fake.forward_prefers_triton = lambda q, k, params: "decode runs on the split-KV kernels"
-    assert _select(dispatch, "forward") == "_triton_fwd"
+    monkeypatch.setattr(dispatch._heuristics, "forward_prefers_triton",
+                        lambda q, k, params: "decode runs on the split-KV kernels")
+    assert _select(dispatch, "forward") == "_triton.fwd"
     monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "cuda")
     assert _select(dispatch, "forward") == "_cuda"
 
@@ -431,7 +437,7 @@ def test_dispatch_auto_follows_forward_preference(dispatch, monkeypatch):
 def test_dispatch_without_compiled_backend(dispatch, monkeypatch):
     monkeypatch.setattr(dispatch, "_cuda", lambda: None)
     monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "auto")
-    assert _select(dispatch, "forward") == "_triton_fwd"
+    assert _select(dispatch, "forward") == "_triton.fwd"
     monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "cuda")
     with pytest.raises(ValueError, match="no compiled CUDA backend"):
         _select(dispatch, "forward")
@@ -452,7 +458,7 @@ def test_dispatch_forced_cuda_unsupported_forward(dispatch, monkeypatch, caplog)
         for _ in range(3):
             assert dispatch.select_backend("forward", _OnCuda(), _OnCuda(), params,
                                            varlen=False, alibi=True,
-                                           sink=False) == "_triton_fwd"
+                                           sink=False) == "_triton.fwd"
     lines = [r.getMessage() for r in caplog.records if r.name == "flash_attn"]
     assert len(lines) == 1 and "does not support" in lines[0], lines
 

@@ -42,9 +42,12 @@ def _repo_copy(tmp_path: Path) -> Path:
 @pytest.mark.kernels_ci
 def test_noarch_variant_layout(cpu_build):
     assert cpu_build.name == "torch-cpu"
-    expected = {p.name for p in PACKAGE.iterdir() if p.suffix in (".py", ".json")}
-    shipped = {p.name for p in cpu_build.iterdir()}
-    assert shipped == expected | {"_ops.py", "metadata.json"}
+    def files(root):
+        return {p.relative_to(root).as_posix() for p in root.rglob("*")
+                if p.is_file() and "__pycache__" not in p.parts}
+    expected = {name for name in files(PACKAGE) if name.endswith((".py", ".json"))}
+    assert "_triton/fwd.py" in expected and "_triton/triton_fwd_configs.json" in expected
+    assert files(cpu_build) == expected | {"_ops.py", "metadata.json"}
     assert not list(cpu_build.rglob("*.so"))
 
 
@@ -63,7 +66,8 @@ def test_metadata_and_digest_read_by_kernels(cpu_build):
     assert str(meta.backend.backend_type) in ("cpu", "CPU") and meta.backend.archs is None
     assert NAMESPACE_RE.match(meta.id), meta.id
     meta.digest.validate(Digest.hash_variant(DigestAlgorithm.SHA256, cpu_build))
-    assert set(meta.digest.files) == {p.name for p in cpu_build.iterdir()} - {"metadata.json"}
+    shipped = {p.relative_to(cpu_build).as_posix() for p in cpu_build.rglob("*") if p.is_file()}
+    assert set(meta.digest.files) == shipped - {"metadata.json"}
     git = variant.git_state(REPO_ROOT)
     assert meta.provenance.kernel.commit == git.commit
     assert meta.provenance.kernel.dirty == git.dirty

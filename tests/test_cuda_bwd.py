@@ -199,13 +199,13 @@ def test_gqa(cuda_backend, attn_params, hq, hkv, causal, d):
 @needs_sm90
 @pytest.mark.parametrize("case,splits", [("mqa_causal", 4), ("gqa4_band", 2), ("mqa_full", 8),
                                          ("varlen_mqa_causal", 2), ("deterministic_mqa", 4)])
-def test_group_split(cuda_backend, attn_params, monkeypatch, case, splits):
+def test_group_split(cuda_backend, heuristics, attn_params, monkeypatch, case, splits):
     """[Note: CUDA group split]: each kv head's query heads over `splits` CTAs, partial dK/dV
     summed by the caller; held to the reference, and bitwise reproducible in deterministic mode
     (the switch forced on, so the test keeps its meaning whatever the default)."""
-    monkeypatch.setattr(cuda_backend, "GROUP_SPLIT", True)
     chosen = []
-    monkeypatch.setattr(cuda_backend, "group_splits", lambda *a: chosen.append(splits) or splits)
+    monkeypatch.setattr(heuristics, "cuda_group_splits",
+                        lambda *a: chosen.append(splits) or splits)
     cu_q = cu_k = None
     if case == "varlen_mqa_causal":
         torch.manual_seed(41)
@@ -230,7 +230,7 @@ def test_group_split(cuda_backend, attn_params, monkeypatch, case, splits):
 @pytest.mark.parametrize("case", ["gqa4_causal", "mqa_full", "gqa2_band_sinks", "varlen_gqa",
                                   "group_split_mqa", "deterministic_gqa", "deterministic_varlen"])
 @pytest.mark.parametrize("d", [192, 256])
-def test_head_dim_split(cuda_backend, attn_params, monkeypatch, case, d):
+def test_head_dim_split(cuda_backend, heuristics, attn_params, monkeypatch, case, d):
     """[Note] Backward head-dim split (csrc/hopper/bwd_traits.h): both consumers on the same 64
     keys, each with half of dK's, dV's and dQ's columns, dQ added from registers. GQA and MQA
     (dK/dV summed over the group in the kernel), a band with sinks, varlen with empty and
@@ -257,8 +257,7 @@ def test_head_dim_split(cuda_backend, attn_params, monkeypatch, case, d):
             s_aux = torch.randn(hq, device="cuda")
     if case == "group_split_mqa":
         chosen = []
-        monkeypatch.setattr(cuda_backend, "GROUP_SPLIT", True)
-        monkeypatch.setattr(cuda_backend, "group_splits", lambda *a: chosen.append(4) or 4)
+        monkeypatch.setattr(heuristics, "cuda_group_splits", lambda *a: chosen.append(4) or 4)
     _check(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k, s_aux=s_aux, label=case)
     if case == "group_split_mqa":
         assert chosen == [4], "the split launch did not run"
@@ -326,7 +325,7 @@ def test_against_triton(cuda_backend, flash_attn, attn_params, causal):
     """Same inputs through both backwards: the gradients agree to 1e-2 relative (both are held
     to the reference by the tests above; this catches a disagreement at a larger size)."""
     try:
-        triton_bwd = importlib.import_module(flash_attn.__name__ + "._triton_bwd")
+        triton_bwd = importlib.import_module(flash_attn.__name__ + "._triton.bwd")
     except ModuleNotFoundError:
         pytest.skip("this build has no Triton backward")
     q, k, v = seeded_cuda_qkv(2, 1000, 1000, 8, 2, 128, seed=17)
@@ -365,7 +364,7 @@ def test_deterministic_is_bitwise_reproducible(cuda_backend, attn_params, case, 
 
 @pytest.mark.gpu
 @needs_sm90
-def test_no_query_head_sized_buffers(cuda_backend, attn_params):
+def test_no_query_head_sized_buffers(cuda_backend, heuristics, attn_params):
     """GQA 32/8: the backward allocates only its fp32 workspaces (dQ accumulator, lse2, delta,
     all q-sized or smaller): no (.., Hq, D) dK/dV. A group split ([Note: CUDA group split],
     taken here: 256 CTAs under a causal band) adds its (2, splits, *k.shape) fp32 partials,
@@ -386,7 +385,7 @@ def test_no_query_head_sized_buffers(cuda_backend, attn_params):
     extra = torch.cuda.max_memory_allocated() - before
     dq_acc = q.numel() * 4  # fp32, q's shape (Sq is a multiple of 128 here)
     rows = 2 * lse.numel() * 4  # lse2 and delta
-    splits = cuda_backend.group_splits(q, k, params) if cuda_backend.GROUP_SPLIT else 1
+    splits = heuristics.cuda_group_splits(q, k, params)
     partial = 0 if splits == 1 else (2 * splits + 1) * k.numel() * 4  # + one split sum at a time
     assert extra <= dq_acc + rows + partial + (1 << 20), f"{extra} bytes beyond the workspaces"
 
@@ -423,7 +422,7 @@ def test_small_all_features_once(cuda_backend, attn_params):
 
 @pytest.mark.gpu
 @needs_sm90
-def test_small_banded_grids_prefer_triton(cuda_backend, attn_params):
+def test_small_banded_grids_prefer_triton(heuristics, attn_params):
     """auto's preference ([Note: small banded grids]): MQA causal at 4k x 4 stays on CUDA (the
     group split fills the grid), as do GQA 32/8 causal and MQA without a mask; a causal MHA
     grid too small for any split (1 x 1k, 2 heads) goes to Triton."""
@@ -432,45 +431,45 @@ def test_small_banded_grids_prefer_triton(cuda_backend, attn_params):
     k_gqa = torch.empty(4, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
     causal = backend_params(attn_params, 128, causal=True, max_q=4096, max_k=4096)
     full = backend_params(attn_params, 128, max_q=4096, max_k=4096)
-    assert cuda_backend.backward_prefers_triton(q, k_mqa, causal) is None
-    assert cuda_backend.backward_prefers_triton(q, k_mqa, full) is None
-    assert cuda_backend.backward_prefers_triton(q, k_gqa, causal) is None
+    assert heuristics.backward_prefers_triton(q, k_mqa, causal) is None
+    assert heuristics.backward_prefers_triton(q, k_mqa, full) is None
+    assert heuristics.backward_prefers_triton(q, k_gqa, causal) is None
     q_small = torch.empty(1, 1024, 2, 128, device="cuda", dtype=torch.bfloat16)
     small_causal = backend_params(attn_params, 128, causal=True, max_q=1024, max_k=1024)
-    assert cuda_backend.backward_prefers_triton(q_small, q_small, small_causal)
+    assert heuristics.backward_prefers_triton(q_small, q_small, small_causal)
 
 
-def test_group_split_counts(cuda_backend, attn_params, monkeypatch):
+def test_group_split_counts(heuristics, attn_params, monkeypatch):
     """[Note: CUDA group split]'s choice on an H200-sized GPU (132 SMs; CPU tensors, so the SM
     count is patched): MQA 32/1 causal at 4k x 4 (128 CTAs) splits 8 ways to reach 4 CTAs per
     SM; without a mask it does not split (0.9 of a wave already); GQA 32/8 causal (1024 CTAs)
     does not; varlen counts the packed length as one sequence."""
-    monkeypatch.setattr(cuda_backend, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(heuristics, "sm_count", lambda device: 132)
     q = torch.empty(4, 4096, 32, 128)
     k_mqa, k_gqa = torch.empty(4, 4096, 1, 128), torch.empty(4, 4096, 8, 128)
     causal = backend_params(attn_params, 128, causal=True, max_q=4096, max_k=4096)
     full = backend_params(attn_params, 128, max_q=4096, max_k=4096)
-    assert cuda_backend.group_splits(q, k_mqa, causal) == 8
-    assert cuda_backend.group_splits(q, k_mqa, full) == 1
-    assert cuda_backend.group_splits(q, k_gqa, causal) == 1
+    assert heuristics.cuda_group_splits(q, k_mqa, causal) == 8
+    assert heuristics.cuda_group_splits(q, k_mqa, full) == 1
+    assert heuristics.cuda_group_splits(q, k_gqa, causal) == 1
     q_var, k_var = torch.empty(8192, 32, 128), torch.empty(8192, 1, 128)
     varlen = backend_params(attn_params, 128, causal=True, max_q=4096, max_k=4096)
-    assert cuda_backend.group_splits(q_var, k_var, varlen) == 16  # 64 CTAs -> 1024
+    assert heuristics.cuda_group_splits(q_var, k_var, varlen) == 16  # 64 CTAs -> 1024
     # above D=128 a CTA holds 64 keys ([Note] Backward head-dim split): twice the CTAs
     q256, k256 = torch.empty(4, 4096, 32, 256), torch.empty(4, 4096, 1, 256)
-    assert cuda_backend._backward_ctas(q256, k256, causal) == 256
-    assert cuda_backend.group_splits(q256, k256, causal) == 4  # 256 CTAs -> 1024
+    assert heuristics.cuda_backward_ctas(q256, k256, causal) == 256
+    assert heuristics.cuda_group_splits(q256, k256, causal) == 4  # 256 CTAs -> 1024
 
 
-def test_banded_small_head_dims_stay_on_cuda(cuda_backend, attn_params):
+def test_banded_small_head_dims_stay_on_cuda(heuristics, attn_params):
     """A band at head dim 64 on a large grid stays on the CUDA backward (it measured faster
-    than Triton once dS^T went through stmatrix); CPU tensors: the SM count is 1, so only a
-    head-dim rule could speak."""
+    than Triton once dS^T went through stmatrix); CPU tensors: the SM count is
+    INTERPRETER_SM_COUNT, so only a head-dim rule could speak."""
     q64 = torch.empty(4, 4096, 32, 64)
     causal = backend_params(attn_params, 64, causal=True, max_q=4096, max_k=4096)
     window = backend_params(attn_params, 64, window=(256, 0), max_q=4096, max_k=4096)
-    assert cuda_backend.backward_prefers_triton(q64, q64, causal) is None
-    assert cuda_backend.backward_prefers_triton(q64, q64, window) is None
+    assert heuristics.backward_prefers_triton(q64, q64, causal) is None
+    assert heuristics.backward_prefers_triton(q64, q64, window) is None
 
 
 def test_supports_excludes_what_it_cannot_run(cuda_backend, attn_params):

@@ -30,7 +30,7 @@ from flash_attn_hub.reference import assert_close_to_reference, attention_refere
 @pytest.fixture(scope="module")
 def triton_fwd(flash_attn):
     try:
-        return importlib.import_module(flash_attn.__name__ + "._triton_fwd")
+        return importlib.import_module(flash_attn.__name__ + "._triton.fwd")
     except ModuleNotFoundError:
         pytest.skip("this build has no Triton forward")
 
@@ -264,27 +264,27 @@ def test_small_all_features_once(cuda_backend, attn_params):
     _check(cuda_backend, q, k, v, params, cu_q=cu, cu_k=cu, s_aux=torch.randn(4, device="cuda"))
 
 
-def test_decode_preference(cuda_backend, attn_params, monkeypatch):
+def test_decode_preference(heuristics, attn_params, monkeypatch):
     """[Note: decode on Triton]: a GQA decode over DECODE_MIN_KEYS keys or more (batched, and
     varlen as generate calls it) is preferred on Triton; a prefill, fewer keys and dropout are
     not, nor anything with the switch off. No GPU needed: the rule reads shapes only."""
-    monkeypatch.setattr(cuda_backend, "DECODE_ON_TRITON", True)
-    keys = cuda_backend.DECODE_MIN_KEYS
+    monkeypatch.setattr(heuristics, "DECODE_ON_TRITON", True)
+    keys = heuristics.DECODE_MIN_KEYS
     q = torch.empty(4, 1, 32, 128)
     k = torch.empty(1, 1, 8, 128).expand(4, keys, 8, 128)  # shapes only
     decode = backend_params(attn_params, 128, causal=True, max_q=1, max_k=keys)
-    assert cuda_backend.forward_prefers_triton(q, k, decode)
+    assert heuristics.forward_prefers_triton(q, k, decode)
     qv, kv = torch.empty(4, 32, 128), torch.empty(1, 8, 128).expand(4 * keys, 8, 128)
-    assert cuda_backend.forward_prefers_triton(qv, kv, decode)
+    assert heuristics.forward_prefers_triton(qv, kv, decode)
     prefill = backend_params(attn_params, 128, causal=True, max_q=keys, max_k=keys)
-    assert cuda_backend.forward_prefers_triton(q[:1].expand(1, keys, 32, 128), k[:1],
-                                               prefill) is None
+    assert heuristics.forward_prefers_triton(q[:1].expand(1, keys, 32, 128), k[:1],
+                                             prefill) is None
     fewer = backend_params(attn_params, 128, causal=True, max_q=1, max_k=keys - 8)
-    assert cuda_backend.forward_prefers_triton(q, k[:, :keys - 8], fewer) is None
+    assert heuristics.forward_prefers_triton(q, k[:, :keys - 8], fewer) is None
     dropout = dataclasses.replace(decode, dropout_p=0.1)
-    assert cuda_backend.forward_prefers_triton(q, k, dropout) is None
-    monkeypatch.setattr(cuda_backend, "DECODE_ON_TRITON", False)
-    assert cuda_backend.forward_prefers_triton(q, k, decode) is None
+    assert heuristics.forward_prefers_triton(q, k, dropout) is None
+    monkeypatch.setattr(heuristics, "DECODE_ON_TRITON", False)
+    assert heuristics.forward_prefers_triton(q, k, decode) is None
 
 
 @pytest.mark.kernels_ci

@@ -125,7 +125,7 @@ print(json.dumps(steps))
 @pytest.mark.parametrize("backend", ["auto", "cuda"])
 def test_qwen2_gqa_trains_like_sdpa_on_the_cuda_variant(cuda_hub, backend):
     """``auto`` is what users get (it may route a causal backward at head dim 64 to Triton, see
-    ``_cuda.backward_prefers_triton``); ``cuda`` puts the forward and backward on the sm90 CUDA
+    ``_heuristics.backward_prefers_triton``); ``cuda`` puts the forward and backward on the sm90 CUDA
     kernels."""
     from flash_attn_hub.verify import child_env
 

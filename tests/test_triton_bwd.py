@@ -1,4 +1,4 @@
-"""The Triton backward kernels (`_triton_bwd.backward`) against the float64 reference.
+"""The Triton backward kernels (`_triton/bwd.py`, ``backward``) against the float64 reference.
 
 The launcher is called as the dispatcher calls it: dq/dk/dv/ds_aux poisoned with NaN, an
 `AttnParams` already normalised. Its forward inputs (out, lse) come from the float64 reference
@@ -50,7 +50,12 @@ def package(request):
 
 @pytest.fixture(scope="module")
 def bwd(package):
-    return submodule(package, "_triton_bwd")
+    return submodule(package, "_triton.bwd")
+
+
+@pytest.fixture(scope="module")
+def heuristics(package):
+    return submodule(package, "_heuristics")
 
 
 @pytest.fixture(scope="module")
@@ -428,11 +433,11 @@ def test_group_split_bitwise_deterministic(bwd, attn_params, device, layout):
         assert torch.equal(first[name], second[name]), name
 
 
-def test_group_split_choice(bwd):
+def test_group_split_choice(heuristics):
     """The smallest power of two dividing the group that reaches DKDV_WAVES programs per SM,
     capped by the group; never a split once the grid is large enough."""
-    waves = bwd.DKDV_WAVES
-    choose = bwd.dkdv_group_splits
+    waves = heuristics.DKDV_WAVES
+    choose = heuristics.dkdv_group_splits
     assert choose(128, 32, 132) == 8  # MQA 32/1, 16k tokens, BLOCK_N=128, on an H200
     assert choose(32, 32, 132) == 32  # capped by the group
     assert choose(256, 4, 132) == 4
@@ -451,14 +456,15 @@ def test_group_split_choice(bwd):
             assert programs * splits // 2 < waves * 132 <= programs * splits or splits == group
 
 
-def test_group_split_default_follows_sm_count(bwd, attn_params, device, monkeypatch):
+def test_group_split_default_follows_sm_count(bwd, heuristics, attn_params, device,
+                                              monkeypatch):
     """Without a forced split the launcher asks dkdv_group_splits with the device's SM count
     (fixed under the interpreter): an MQA grid of 2 programs splits, MHA does not."""
     launched = record_group_splits(monkeypatch, bwd)
     check_case(bwd, attn_params, device, CASES["mqa_causal_sq_gt_sk"])
     check_case(bwd, attn_params, device, CASES["mha_full"])
-    sms = bwd._sm_count(device)
-    assert launched == [bwd.dkdv_group_splits(2, 4, sms), 1]
+    sms = heuristics.sm_count(device)
+    assert launched == [heuristics.dkdv_group_splits(2, 4, sms), 1]
     assert device.type == "cuda" or launched[0] > 1
 
 
@@ -502,7 +508,7 @@ def test_tile_table_is_complete_and_valid(bwd):
 def test_import_does_not_touch_cuda():
     """Importing the module defines kernels only: no CUDA initialisation, no compilation."""
     code = ("import sys, types, torch; p = types.ModuleType('fa'); p.__path__ = [sys.argv[1]]; "
-            "sys.modules['fa'] = p; import fa._triton_bwd; "
+            "sys.modules['fa'] = p; import fa._triton.bwd; "
             "assert not torch.cuda.is_initialized(), 'CUDA initialised at import'")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code, str(SOURCE_PACKAGE)], check=True, env=env,
@@ -520,7 +526,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 package = types.ModuleType("fa_compile"); package.__path__ = [sys.argv[1]]
 sys.modules["fa_compile"] = package
-bwd = importlib.import_module("fa_compile._triton_bwd")
+bwd = importlib.import_module("fa_compile._triton.bwd")
 FLOATS = {"softmax_scale", "qk_scale", "softcap_log2", "dropout_rescale"}
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
@@ -579,7 +585,8 @@ for arch, name, tma in ((90, "sm90", False), (90, "sm90", True), (80, "sm80", Fa
 
 def test_kernels_compile_for_hopper_and_ampere(bwd):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(Path(bwd.__file__).parent)],
+    package = Path(bwd.__file__).parents[1]  # the folder holding _triton/
+    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(package)],
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     print(result.stdout)

@@ -1,4 +1,4 @@
-"""The Triton forward kernel (`_triton_fwd.forward`) against the float64 reference.
+"""The Triton forward kernel (`_triton/fwd.py`, ``forward``) against the float64 reference.
 
 The launcher is called as the dispatcher calls it: destinations poisoned with NaN, an
 `AttnParams` already normalised. Every comparison uses the tolerance rule
@@ -48,12 +48,17 @@ def package(request):
 
 @pytest.fixture(scope="module")
 def fwd(package):
-    return submodule(package, "_triton_fwd")
+    return submodule(package, "_triton.fwd")
 
 
 @pytest.fixture(scope="module")
 def common(package):
-    return submodule(package, "_triton_common")
+    return submodule(package, "_triton.common")
+
+
+@pytest.fixture(scope="module")
+def heuristics(package):
+    return submodule(package, "_heuristics")
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +235,7 @@ def test_split_head_dim_matches_padded_tiles(fwd, attn_params, device, monkeypat
 
 
 def test_head_dim_split_widths(package):
-    split = submodule(package, "_tuning").head_dim_split
+    split = submodule(package, "_triton.tuning").head_dim_split
     assert split(192) == (128, 64, 64)
     assert split(160) == (128, 32, 32)
     assert split(136) == (128, 8, 16)
@@ -308,12 +313,13 @@ def test_varlen(fwd, attn_params, device, name):
 
 
 # ---------------------------------------------------------------------------------------------
-# Split-KV decode (`_triton_decode`): few query rows per kv head over many keys. The regular
+# Split-KV decode (`_triton/decode.py`): few query rows per kv head over many keys. The regular
 # launcher routes these calls there; the tests call it with chosen split counts too.
 # ---------------------------------------------------------------------------------------------
 
-DECODE_KEYS = 256  # MIN_KEYS while these tests run: the interpreter is slow on long key ranges
-DECODE_CASES = {  # name -> overrides of BASE (Sk >= DECODE_KEYS, GROUP * Sq <= MAX_PACKED_ROWS)
+# SPLIT_KV_MIN_KEYS while these tests run: the interpreter is slow on long key ranges
+DECODE_KEYS = 256
+DECODE_CASES = {  # name -> overrides of BASE (Sk >= DECODE_KEYS, GROUP * Sq <= SPLIT_KV_MAX_ROWS)
     "decode_gqa_causal": dict(seqlen_q=1, seqlen_k=300, heads_q=8, heads_kv=2, causal=True),
     "decode_mha": dict(seqlen_q=1, seqlen_k=257, batch=3),
     "prefill5_gqa_causal": dict(seqlen_q=5, seqlen_k=300, heads_q=8, heads_kv=2, causal=True),
@@ -331,10 +337,9 @@ DECODE_CASES = {  # name -> overrides of BASE (Sk >= DECODE_KEYS, GROUP * Sq <= 
 
 
 @pytest.fixture
-def decode(package, monkeypatch):
-    module = submodule(package, "_triton_decode")
-    monkeypatch.setattr(module, "MIN_KEYS", DECODE_KEYS)
-    return module
+def decode(package, heuristics, monkeypatch):
+    monkeypatch.setattr(heuristics, "SPLIT_KV_MIN_KEYS", DECODE_KEYS)
+    return submodule(package, "_triton.decode")
 
 
 @pytest.fixture
@@ -360,7 +365,7 @@ def test_split_kv_through_the_launcher(fwd, attn_params, device, decode_calls, n
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 40], ids=lambda n: f"splits{n}")
-def test_split_kv_split_counts(decode, attn_params, device, num_splits):
+def test_split_kv_split_counts(decode, heuristics, attn_params, device, num_splits):
     """Any split count gives the same attention: one split, uneven ones, and more splits than
     key blocks under a band (most see no key and must weigh nothing in the combine)."""
     torch.manual_seed(8)
@@ -369,7 +374,7 @@ def test_split_kv_split_counts(decode, attn_params, device, num_splits):
     s_aux = torch.randn(8, device=device)
     params = make_params(attn_params, head_dim=32, causal=True, window=(40, -1),
                          max_seqlen_q=3, max_seqlen_k=333)
-    assert decode.applies(q, k, None, params)
+    assert heuristics.split_kv_applies(q, k, params)
     out, lse = run_forward(decode, q, k, v, params=params, s_aux=s_aux, num_splits=num_splits)
     check_against_reference(q, k, v, out, lse, params, s_aux=s_aux)
 
@@ -408,29 +413,28 @@ def test_split_kv_is_bitwise_reproducible(decode, attn_params, device):
 
 
 @pytest.mark.kernels_ci
-def test_split_kv_applies_only_where_it_helps(package, attn_params):
-    """Batched calls without dropout, GROUP * Sq <= MAX_PACKED_ROWS, Sk >= MIN_KEYS."""
-    decode = submodule(package, "_triton_decode")
+def test_split_kv_applies_only_where_it_helps(heuristics, attn_params):
+    """Calls without dropout, GROUP * Sq <= SPLIT_KV_MAX_ROWS, Sk >= SPLIT_KV_MIN_KEYS."""
+    def applies(q, k, params):
+        return heuristics.split_kv_applies(q, k, params)
+
     def call(sq, sk, hq, hkv, **kw):
         q = torch.zeros(2, sq, hq, 64, dtype=torch.float16)
         k = torch.zeros(2, sk, hkv, 64, dtype=torch.float16)
         return q, k, make_params(attn_params, head_dim=64, max_seqlen_q=sq, max_seqlen_k=sk,
                                  **kw)
-    rows, keys = decode.MAX_PACKED_ROWS, decode.MIN_KEYS
-    assert decode.applies(*call(1, keys, 32, 8)[:2], None, call(1, keys, 32, 8)[2])
-    assert decode.applies(*call(rows // 4, keys, 8, 2)[:2], None, call(rows // 4, keys, 8, 2)[2])
-    assert not decode.applies(*call(rows // 4 + 1, keys, 8, 2)[:2], None,
-                              call(rows // 4 + 1, keys, 8, 2)[2])
-    assert not decode.applies(*call(1, keys - 1, 32, 8)[:2], None, call(1, keys - 1, 32, 8)[2])
-    q, k, params = call(1, keys, 32, 8, dropout_p=0.1)
-    assert not decode.applies(q, k, None, params)
+    rows, keys = heuristics.SPLIT_KV_MAX_ROWS, heuristics.SPLIT_KV_MIN_KEYS
+    assert applies(*call(1, keys, 32, 8))
+    assert applies(*call(rows // 4, keys, 8, 2))
+    assert not applies(*call(rows // 4 + 1, keys, 8, 2))
+    assert not applies(*call(1, keys - 1, 32, 8))
+    assert not applies(*call(1, keys, 32, 8, dropout_p=0.1))
     # varlen: the longest sequences decide (max_seqlen_q rows per head, max_seqlen_k keys)
     varlen_q = torch.zeros(3, 32, 64, dtype=torch.float16)
     varlen_k = torch.zeros(2 * keys, 8, 64, dtype=torch.float16)
-    cu = torch.tensor([0, 1, 3], dtype=torch.int32)
-    assert decode.applies(varlen_q, varlen_k, cu, call(2, keys, 32, 8)[2])
-    assert not decode.applies(varlen_q, varlen_k, cu, call(rows // 4 + 1, keys, 32, 8)[2])
-    assert not decode.applies(varlen_q, varlen_k, cu, call(2, keys - 1, 32, 8)[2])
+    assert applies(varlen_q, varlen_k, call(2, keys, 32, 8)[2])
+    assert not applies(varlen_q, varlen_k, call(rows // 4 + 1, keys, 32, 8)[2])
+    assert not applies(varlen_q, varlen_k, call(2, keys - 1, 32, 8)[2])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -528,7 +532,7 @@ def test_import_does_not_touch_cuda():
     code = ("import sys, types, torch\n"
             f"p = types.ModuleType('fa'); p.__path__ = [{str(SOURCE_PACKAGE)!r}]\n"
             "sys.modules['fa'] = p\n"
-            "import importlib; importlib.import_module('fa._triton_fwd')\n"
+            "import importlib; importlib.import_module('fa._triton.fwd')\n"
             "assert not torch.cuda.is_initialized()\n")
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
@@ -540,8 +544,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 package = types.ModuleType("fa_compile"); package.__path__ = [sys.argv[1]]
 sys.modules["fa_compile"] = package
-fwd = importlib.import_module("fa_compile._triton_fwd")
-tuning = importlib.import_module("fa_compile._tuning")
+fwd = importlib.import_module("fa_compile._triton.fwd")
+tuning = importlib.import_module("fa_compile._triton.tuning")
+heuristics = importlib.import_module("fa_compile._heuristics")
 kernel = fwd._attn_fwd_kernel
 SMEM = {90: 232448, 80: 166912}  # opt-in shared memory per block, bytes
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -607,7 +612,7 @@ for arch, head_dim, features, override in CASES:
                 f"{(tiles.block_m, tiles.block_n, tiles.num_warps, tiles.num_stages)}")
 
 # the split-KV decode kernels, every feature on: 16 packed rows (GQA 4 decode) and 64 (the most)
-decode = importlib.import_module("fa_compile._triton_decode")
+decode = importlib.import_module("fa_compile._triton.decode")
 for arch, head_dim, rows in ((90, 64, 64), (90, 128, 16), (90, 128, 64), (90, 256, 16),
                              (90, 256, 64), (80, 128, 64), (80, 256, 64)):
     cfg = decode.tiles_for(head_dim, torch.device("cuda"))  # touches no GPU
@@ -618,7 +623,7 @@ for arch, head_dim, rows in ((90, 64, 64), (90, 128, 16), (90, 128, 64), (90, 25
                      SOFTCAP=True, HAS_ALIBI=True),
                 arch, cfg.num_warps, cfg.num_stages, f"decode split D={head_dim} rows={rows} {cfg}")
     compile_for(decode._combine_kernel,
-                dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=decode.MAX_SPLITS,
+                dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=heuristics.SPLIT_KV_MAX_SPLITS,
                      IS_VARLEN=True, HAS_SINK=True), arch, 4, 1, f"decode combine D={head_dim}")
 """
 

@@ -1,4 +1,4 @@
-"""The tile tables of the Triton kernels (`_tuning`): buckets, lookup order, the shipped JSON
+"""The tile tables of the Triton kernels (`_triton/tuning.py`): buckets, lookup order, the shipped JSON
 files, and the search of `python -m flash_attn_hub tune` (`flash_attn_hub/tune/common.py`).
 No kernel runs."""
 
@@ -19,10 +19,10 @@ from flash_attn_hub.tune import common as tc
 
 @pytest.fixture(scope="module")
 def tuning():
-    return submodule(source_package(), "_tuning")
+    return submodule(source_package(), "_triton.tuning")
 
 
-@pytest.fixture(scope="module", params=["_triton_fwd", "_triton_bwd"])
+@pytest.fixture(scope="module", params=["_triton.fwd", "_triton.bwd"])
 def kernel_module(request):
     return submodule(source_package(), request.param)
 
@@ -80,7 +80,7 @@ def test_lookup_of_a_narrower_width(tuning, tmp_path):
 def test_forward_tile_width(monkeypatch):
     """The forward keys its tiles by the width it runs: split (sm90+, the interpreter) or
     padded (``SPLIT_HEAD_DIM`` off, as on sm80)."""
-    fwd = submodule(source_package(), "_triton_fwd")
+    fwd = submodule(source_package(), "_triton.fwd")
     cpu = torch.device("cpu")
     assert [fwd.tile_width(d, cpu) for d in (192, 160, 136, 96, 128, 256)] == \
         [192, 160, 144, 128, 128, 256]
@@ -115,7 +115,7 @@ def test_shipped_tables_and_files(tuning, kernel_module):
         for block_d in tuning.HEAD_DIM_BUCKETS:
             config = table.defaults[(arch, block_d)]
             assert isinstance(config, table.config_type) and config.reason, (arch, block_d)
-    assert table.path.parent == SOURCE_PACKAGE and table.path.suffix == ".json"
+    assert table.path.parent == SOURCE_PACKAGE / "_triton" and table.path.suffix == ".json"
     if table.path.exists():
         raw = json.loads(table.path.read_text())
         assert raw["kernel"] == table.kernel

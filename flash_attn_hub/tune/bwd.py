@@ -6,12 +6,12 @@ backward kernels, write the tuning file.
     python -m flash_attn_hub tune bwd --head-dims 128 --seqlens 4096 16384 --out /tmp/t.json
 
 The dK/dV and dQ kernels are separate launches, so the search runs per kernel: with the dQ
-fields of the table fixed it searches the dK/dV fields of ``_triton_bwd.BwdTiles``, then with
+fields of the table fixed it searches the dK/dV fields of ``_triton.bwd.BwdTiles``, then with
 the best dK/dV fixed the dQ fields. Each time is the whole backward (delta, dK/dV, dQ; bf16, 16k
 tokens per batch, out/lse from the Triton forward, FLOPs by the benchmark's rule), on a causal
 and a non-causal problem of each head shape in HEADS (D=128: MHA 16/16 and GQA 32/8;
 ``--heads 16/16`` overrides). The best config is recorded for this GPU, head-dim bucket and
-sequence-length bucket in the source tree's ``torch-ext/flash_attn/triton_bwd_configs.json``
+sequence-length bucket in the source tree's ``torch-ext/flash_attn/_triton/triton_bwd_configs.json``
 (or ``--out``), merged with the entries already there. Search, timing and the summary table
 printed last are ``common``'s.
 """
@@ -110,8 +110,8 @@ def run(args) -> int:
     args = tc.finish_arguments(args, sorted(HEADS))
     if not tc.require_gpu("tune bwd"):
         return 2
-    package, (bwd, fwd, tuning, params_mod) = tc.load(args.kernel_dir, "_triton_bwd", "_triton_fwd", "_tuning",
-                                                      "_params")
+    package, (bwd, fwd, tuning, params_mod) = tc.load(args.kernel_dir, "_triton.bwd", "_triton.fwd",
+                                                      "_triton.tuning", "_params")
     attn_params = params_mod.AttnParams
     session = tc.Session(tuning, bwd.TABLE, args.out or tc.source_path(package, bwd.TABLE.path), args.log)
     arch = tuning.arch_of(torch.device("cuda"))

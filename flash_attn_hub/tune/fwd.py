@@ -5,11 +5,11 @@ forward kernel, write the tuning file.
     python -m flash_attn_hub tune fwd             # D 64/128/192/256 x S 1k/4k/16k, exhaustive
     python -m flash_attn_hub tune fwd --head-dims 128 --seqlens 4096 16384 --out /tmp/t.json
 
-For each (head dim, sequence length) it times candidates of ``_triton_fwd.FwdTiles`` on a causal
+For each (head dim, sequence length) it times candidates of ``_triton.fwd.FwdTiles`` on a causal
 and a non-causal problem of each head shape in HEADS (bf16, 16k tokens per batch; D=128: MHA
 16/16 and GQA 32/8; ``--heads 16/16`` overrides) and records the best for this GPU
 (``torch.cuda.get_device_name``), its head-dim bucket and sequence-length bucket in the source
-tree's ``torch-ext/flash_attn/triton_fwd_configs.json`` (or ``--out``), merged with the entries
+tree's ``torch-ext/flash_attn/_triton/triton_fwd_configs.json`` (or ``--out``), merged with the entries
 already there. Search, timing and the summary table printed last are ``common``'s.
 """
 
@@ -21,7 +21,7 @@ from ..reference import attention_reference, relative_error
 from . import common as tc
 
 # head dim -> the (query, kv) heads of the timed shapes; a config is scored by the geo-mean over
-# all of them, so one entry per bucket serves MHA and GQA alike (as in tune_triton_bwd.py).
+# all of them, so one entry per bucket serves MHA and GQA alike (as in tune/bwd.py).
 HEADS = {64: ((32, 32),), 128: ((16, 16), (32, 8)), 192: ((16, 16),), 256: ((8, 8),)}
 # Candidate values per FwdTiles field, for sm90 (every value also compiles for sm80). D=128:
 # the 128 x 64 x 8 warps x 3 stages default reached 456-472 TFLOP/s; 128 x 128 spills. On sm90+
@@ -64,7 +64,8 @@ def run(args) -> int:
     args = tc.finish_arguments(args, sorted(HEADS))
     if not tc.require_gpu("tune fwd"):
         return 2
-    package, (fwd, tuning, params_mod) = tc.load(args.kernel_dir, "_triton_fwd", "_tuning", "_params")
+    package, (fwd, tuning, params_mod) = tc.load(args.kernel_dir, "_triton.fwd", "_triton.tuning",
+                                                 "_params")
     attn_params = params_mod.AttnParams
     session = tc.Session(tuning, fwd.TABLE, args.out or tc.source_path(package, fwd.TABLE.path), args.log)
     arch = tuning.arch_of(torch.device("cuda"))

@@ -6,7 +6,7 @@
   Hopper forward ``_cuda`` joins ``auto`` only once ``_cuda.VALIDATED`` is true, and its
   backward once ``_cuda.BWD_VALIDATED`` is, i.e. after each has passed the GPU test matrix;
   until then it runs only when asked for with ``cuda``.
-* ``triton``: the Triton kernels (``_triton_fwd`` / ``_triton_bwd``). On CPU tensors only under
+* ``triton``: the Triton kernels (``_triton.fwd`` / ``_triton.bwd``). On CPU tensors only under
   Triton's interpreter (``TRITON_INTERPRET=1``).
 * ``cuda``: the compiled backend for the forward, an error when it is missing or does not
   support the call; a backward it does not implement runs on Triton (logged).
@@ -24,6 +24,7 @@ import importlib
 import logging
 import os
 
+from . import _heuristics
 from ._params import AttnParams
 
 ENV_BACKEND = "FLASH_ATTN_HUB_BACKEND"
@@ -35,8 +36,8 @@ logger = logging.getLogger("flash_attn")
 _MODULES = {
     ("cpu", "forward"): "_cpu",
     ("cpu", "backward"): "_cpu",
-    ("triton", "forward"): "_triton_fwd",
-    ("triton", "backward"): "_triton_bwd",
+    ("triton", "forward"): "_triton.fwd",
+    ("triton", "backward"): "_triton.bwd",
     ("cuda", "forward"): "_cuda",
     ("cuda", "backward"): "_cuda",
 }
@@ -97,8 +98,9 @@ def _choose(requested: str, direction: str, q, k, params: AttnParams, features: 
                           f"{ENV_BACKEND}=cuda opts in")
     if cuda is not None and cuda.supports(q, k, params, backward=direction == "backward",
                                           **features):
-        prefers = getattr(cuda, f"{direction}_prefers_triton", None)
-        why = prefers(q, k, params) if prefers and requested == "auto" else None
+        prefers = (_heuristics.forward_prefers_triton if direction == "forward"
+                   else _heuristics.backward_prefers_triton)
+        why = prefers(q, k, params) if requested == "auto" else None
         if why:
             return "triton", f"{ENV_BACKEND}=auto; {why}"
         return "cuda", f"{ENV_BACKEND}={requested}, supported by the CUDA backend"

@@ -1,6 +1,6 @@
 """Tile configurations of the Triton kernels: in-code defaults, measured overrides in JSON.
 
-Each kernel module (``_triton_fwd``, ``_triton_bwd``) owns one :class:`TileTable`:
+Each kernel module (``fwd``, ``bwd``) owns one :class:`TileTable`:
 
 * ``defaults``: the in-code table keyed by ``(arch, block_d)``, arch one of ``sm90``, ``sm80``,
   ``generic`` (another CUDA GPU) or ``interpreter`` (CPU tensors under ``TRITON_INTERPRET=1``),
@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .._heuristics import tile_arch
 
 logger = logging.getLogger("flash_attn")
 
@@ -81,9 +83,8 @@ def seqlen_bucket(seqlen: int) -> int:
 
 
 @functools.cache
-def _cuda_identity(index: int) -> tuple[str, str]:
-    major, _ = torch.cuda.get_device_capability(index)
-    return {9: "sm90", 8: "sm80"}.get(major, "generic"), torch.cuda.get_device_name(index)
+def _gpu_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 def device_identity(device: torch.device) -> tuple[str, str]:
@@ -91,11 +92,11 @@ def device_identity(device: torch.device) -> tuple[str, str]:
     if device.type != "cuda":
         return "interpreter", ""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_identity(index)
+    return tile_arch(device), _gpu_name(index)
 
 
 def arch_of(device: torch.device) -> str:
-    return device_identity(device)[0]
+    return tile_arch(device)
 
 
 def _config_fields(config_type) -> tuple[str, ...]:

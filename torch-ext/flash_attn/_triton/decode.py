@@ -1,6 +1,6 @@
 """Triton split-KV forward for few query rows per kv head (decode, short GQA prefill).
 
-Glossary (see also ``_triton_fwd`` and ``_triton_common``):
+Glossary (see also ``fwd`` and ``common``):
   packed row     row r of a program's tile is query row ``r % Sq`` of query head
                  ``kv_head * GROUP + r // Sq``: the GROUP * Sq rows that read one kv head share
                  one tile, so that head's K/V are read once, not once per query head
@@ -15,8 +15,8 @@ The regular forward runs one program per (query block, query head): at Sq = 1 it
 one real row of BLOCK_M, and B * Hq programs each walk every key alone (at 4k-128k keys most of
 the GPU idles). Here B * Hkv * NUM_SPLITS programs share the keys (batched, or varlen as
 transformers' generate calls it for padded batches), each running the forward's
-own inner loop (``_triton_fwd._inner_loop``: the same score hooks and band masks) over its
-range; ``_combine_kernel`` then merges a row's splits in a fixed order, so the result does not
+own key loop (``common.inner_loop``: the same score hooks and band masks) over its range;
+which calls run here is ``_heuristics.split_applies``'s rule. ``_combine_kernel`` then merges a row's splits in a fixed order, so the result does not
 depend on timing.
 
 [Note: combining splits] Split s holds ``O_s = sum_j p_j v_j / l_s`` and
@@ -24,7 +24,7 @@ depend on timing.
 ``den = sum_s 2^(L_s - top) (+ 2^(sink - top))`` and ``out = sum_s 2^(L_s - top) O_s / den``,
 ``lse = (top + log2(den)) * ln 2``. A split that saw no key has ``L_s = -inf`` and weight 0; a
 row that saw none gets out 0 and lse -inf, or lse = s_aux with a sink ([Note: sinks and empty
-rows] in ``_triton_fwd``). ``top`` is replaced by 0 while it is -inf, so no NaN forms.
+rows] in ``fwd``). ``top`` is replaced by 0 while it is -inf, so no NaN forms.
 """
 
 from __future__ import annotations
@@ -35,18 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._params import AttnParams
-from ._triton_common import (LOG2E, LaunchShape, key_block_range, sequence_bounds,
-                             shared_arguments)
-from ._triton_fwd import _inner_loop
-
-# Rows one packed tile holds (GROUP * Sq); beyond it the regular forward's tiles are full anyway.
-MAX_PACKED_ROWS = 64
-# Keys below which the regular forward keeps the call: one pass over so few keys is short, and
-# the split path's second launch (the combine) would cost more than it saves. Not timed yet.
-MIN_KEYS = 1024
-MAX_SPLITS = 128
-PROGRAMS_PER_SM = 4  # split so that the grid holds about this many programs per SM (4 warps each)
+from .._heuristics import num_splits_for
+from .._params import AttnParams
+from .common import (LOG2E, LaunchShape, inner_loop, key_block_range, sequence_bounds,
+                     shared_arguments)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,20 +49,6 @@ class DecodeTiles:
     num_stages: int
 
 
-def applies(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, params: AttnParams) -> bool:
-    """Whether the split-KV path runs this (validated) forward: no dropout, few query rows per
-    kv head (the longest sequence's, varlen) and enough keys to split."""
-    shape = LaunchShape.of(q, k, cu_seqlens_q, params)
-    return split_applies(shape.max_seqlen_q * (shape.heads_q // shape.heads_kv),
-                         shape.max_seqlen_k, params.dropout_p)
-
-
-def split_applies(packed_rows: int, max_seqlen_k: int, dropout_p: float) -> bool:
-    """:func:`applies` from the sizes: the query rows of one kv head (the longest sequence's)
-    and the longest key sequence."""
-    return dropout_p == 0 and 0 < packed_rows <= MAX_PACKED_ROWS and max_seqlen_k >= MIN_KEYS
-
-
 def tiles_for(head_dim: int, device: torch.device) -> DecodeTiles:
     """Launch shape by head dim: 64 keys per step keep K^T and V tiles (2 x 64 x D bf16) and
     the fp32 accumulator within registers up to D=128; D=256 takes 32. The interpreter takes
@@ -78,14 +56,6 @@ def tiles_for(head_dim: int, device: torch.device) -> DecodeTiles:
     if device.type != "cuda":
         return DecodeTiles(16, 1, 1)
     return DecodeTiles(64 if head_dim <= 128 else 32, 4, 3)
-
-
-def num_splits_for(shape: LaunchShape, block_n: int, device: torch.device) -> int:
-    """Splits that give the grid about PROGRAMS_PER_SM programs per SM, each at least one key
-    block of the longest sequence long."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, shape.batch * shape.heads_kv)
-    return max(1, min(wanted, triton.cdiv(shape.max_seqlen_k, block_n), MAX_SPLITS))
 
 
 @triton.jit
@@ -145,7 +115,7 @@ def _split_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc, l_i, m_i, _ = _inner_loop(
+    acc, l_i, m_i, _ = inner_loop(
         acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, full_lo, full_hi, hi, rows,
         offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2, window_left,
         window_right, 0, 0, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI, HAS_WINDOW_LEFT,
@@ -209,11 +179,12 @@ def _combine_kernel(
 
 def forward(q, k, v, out, lse, *, s_aux, alibi_slopes, params: AttnParams,
             cu_seqlens_q=None, cu_seqlens_k=None, num_splits: int | None = None) -> None:
-    """The split-KV forward of a call that :func:`applies` to; same contract as
-    ``_triton_fwd.forward``. ``num_splits`` overrides the choice (tests)."""
+    """The split-KV forward of a call that ``_heuristics.split_kv_applies`` to; same contract
+    as ``fwd.forward``. ``num_splits`` overrides ``_heuristics.num_splits_for`` (tests)."""
     shape = LaunchShape.of(q, k, cu_seqlens_q, params)
     cfg = tiles_for(shape.head_dim, q.device)
-    splits = num_splits or num_splits_for(shape, cfg.block_n, q.device)
+    splits = num_splits or num_splits_for(shape.batch, shape.heads_kv, shape.max_seqlen_k,
+                                          cfg.block_n, q.device)
     keys_per_split = triton.cdiv(triton.cdiv(shape.max_seqlen_k, splits), cfg.block_n) * cfg.block_n
     splits = triton.cdiv(shape.max_seqlen_k, keys_per_split)  # no split starts past the last key
     tokens = q.shape[0] if shape.varlen else shape.batch * shape.seqlen_q

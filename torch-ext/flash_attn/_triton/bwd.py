@@ -1,6 +1,6 @@
 """Triton backward kernels (FlashAttention-2 style) and their destination-passing launcher.
 
-Glossary (see also ``_triton_common``):
+Glossary (see also ``common``):
   Q, K, V, O, DO     queries, keys, values, output, output gradient (DO may be any strides)
   DQ, DK, DV         gradients, contiguous, shaped like Q / K / V (DK, DV per KV head)
   LSE                forward log-sum-exp, natural log, float32, sink included
@@ -81,13 +81,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._params import AttnParams
-from ._triton_common import (LOG2E, LaunchShape, dropout_keep, dropout_row_hash,
-                             key_block_range, load_column_slice, load_rows, load_rows_t, mix32,
-                             query_block_range, rows_source, safe_lse_log2, scores_log2,
-                             sequence_bounds, shared_arguments, store_column_slice, store_rows,
-                             use_tma, visible)
-from ._tuning import HEAD_DIM_BUCKETS, TileTable
+from .._heuristics import dkdv_group_splits, sm_count
+from .._math import sink_gradient
+from .._params import AttnParams
+from .common import (LOG2E, LaunchShape, dropout_keep, dropout_row_hash, key_block_range,
+                     load_column_slice, load_rows, load_rows_t, mix32, query_block_range,
+                     rows_source, safe_lse_log2, scores_log2, sequence_bounds, shared_arguments,
+                     store_column_slice, store_rows, use_tma, visible)
+from .tuning import HEAD_DIM_BUCKETS, TileTable
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,7 +454,7 @@ def _bwd_dq_kernel(
 # Tile sizes: the one table of defaults, keyed by (arch, BLOCK_D). `benchmarks/tune_triton_bwd.py`
 # measures candidates on a GPU and writes `triton_bwd_configs.json` beside this file, keyed by
 # GPU name, BLOCK_D and sequence-length bucket; its entries, with their measured reasons, take
-# precedence (`_tuning`).
+# precedence (`tuning`).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -536,56 +537,6 @@ def tile_config(head_dim: int, device: torch.device, seqlen: int) -> BwdTiles:
 # The score dots are done twice, 6 instead of 4 M*N*D per step, for half the accumulators.
 # Untimed: the tuning script searches it (D=128 and 256).
 
-# [Note: group split] A dK/dV program owns one key block of one (batch, kv head) and loops over
-# that kv head's GROUP query heads. With few kv heads (MQA, high GQA ratios) that grid is small:
-# MQA at 16k tokens per batch has 4096 / 128 * 4 = 128 programs for an H200's 132 SMs, and
-# causal makes their work uneven (the first key block sees every query, the last a few), so
-# SMs sit idle while the longest programs finish (the H200 measured 0.87x SDPA flash for MQA
-# causal against 1.32x without a mask). The launch then
-# splits each group into GROUP_SPLITS parts of GROUP / GROUP_SPLITS heads, one program per part,
-# and each part stores its fp32 dK/dV into its own slice of a (GROUP_SPLITS, ..K/V shape..)
-# buffer, summed over the split dim afterwards by torch (a fixed order, no atomics: still
-# bitwise reproducible). Peak memory: the buffer is GROUP_SPLITS x K-size fp32 for each of dK
-# and dV, which is acceptable because it only exists when K/V are small against Q: it holds at
-# most GROUP x K-size = Q-size elements per gradient, and since a split is only taken while the
-# grid falls short, GROUP_SPLITS x programs < 2 x DKDV_WAVES x SMs, i.e. at most
-# 2 * 4 * 132 * 128 * 128 * 4 B = 69 MB per gradient on an H200 at D=128, whatever the length
-# (plus one K-size fp32 sum at a time).
-# Without a band every program does the same work, so one wave is enough: the split is only
-# taken when the grid leaves over a tenth of the SMs idle (the H200 measured MQA 32/1, 4k, full:
-# 128 programs unsplit 397 TFLOP/s, split 8 389).
-DKDV_WAVES = 4  # programs per SM the split aims for under a band, untimed: evens out the causal tail
-DKDV_FULL_FILL = 0.9  # without a band: the fraction of one wave the grid must reach
-INTERPRETER_SM_COUNT = 2  # under the interpreter: small test grids split, larger ones do not
-
-
-def dkdv_group_splits(programs: int, group: int, sm_count: int, *, banded: bool = True) -> int:
-    """Parts each kv head's query-head group is split into ([Note: group split]): the smallest
-    power of two dividing ``group`` that brings the dK/dV grid (``programs`` without a split) to
-    ``DKDV_WAVES * sm_count`` programs under a band (causal or window), to
-    ``DKDV_FULL_FILL * sm_count`` without one, or the largest such divisor when none does."""
-    target = DKDV_WAVES * sm_count if banded else DKDV_FULL_FILL * sm_count
-    splits = 1
-    while programs * splits < target and group % (2 * splits) == 0:
-        splits *= 2
-    return splits
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return INTERPRETER_SM_COUNT
-
-
-def sink_gradient(s_aux, lse, delta, varlen: bool) -> torch.Tensor:
-    """``-sum_rows exp(s_aux[h] - lse) * delta`` per query head (fp32, deterministic)."""
-    sink = s_aux.float()[:, None] if varlen else s_aux.float()[None, :, None]
-    weight = torch.exp(sink - lse)
-    weight = torch.where(torch.isfinite(lse), weight, torch.zeros_like(weight))
-    dims = (1,) if varlen else (0, 2)
-    return -(weight * delta).sum(dim=dims)
-
-
 def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_seqlens_k, s_aux,
              alibi_slopes, params: AttnParams, tiles: BwdTiles | None = None,
              group_splits: int | None = None) -> None:
@@ -625,7 +576,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
         if group_splits is None:
             banded = params.window_left >= 0 or params.window_right >= 0
             group_splits = dkdv_group_splits(key_blocks * shape.heads_kv * shape.batch, group,
-                                             _sm_count(q.device), banded=banded)
+                                             sm_count(q.device), banded=banded)
         elif group_splits < 1 or group % group_splits:
             raise ValueError(f"group_splits must divide Hq // Hkv = {group}; got {group_splits}")
         if group_splits == 1:

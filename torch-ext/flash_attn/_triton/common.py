@@ -21,8 +21,9 @@ interior and masked edges); ``safe_lse_log2`` (LSE for recomputing P); ``load_ro
 ``load_rows_t`` / ``store_rows`` (tiles of a (rows, D) matrix, pointers or descriptors) and
 ``load_column_slice`` / ``store_column_slice`` (a slice of its columns);
 ``dropout_row_hash``/``dropout_keep`` with host-side ``dropout_constants``; ``tanh``; ``LOG2E``
-(a constexpr). Launcher helpers: ``LaunchShape`` (sizes and strides of a call) and
-``shared_arguments`` (the scalars and constexpr flags every kernel takes by the same name).
+(a constexpr); ``inner_loop`` (the forward's key loop, which the split-KV decode runs too).
+Launcher helpers: ``LaunchShape`` (sizes and strides of a call), ``shared_arguments`` (the
+scalars and constexpr flags every kernel takes by the same name) and ``use_tma``.
 """
 
 import dataclasses
@@ -33,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._tuning import block_d_for
+from .._heuristics import hopper_or_later
+from .tuning import block_d_for
 
 logger = logging.getLogger("flash_attn")
 
@@ -324,6 +326,69 @@ def store_rows(dst, row0, stride, n_rows, tile, BLOCK_R: tl.constexpr, HEAD_DIM:
 
 
 # ---------------------------------------------------------------------------------------------
+# The forward's key loop (the regular and the split-KV forward run it).
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def inner_loop(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, block_lo, full_lo,
+               full_hi, block_hi, rows, offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2,
+               alibi_slope_log2, window_left, window_right, row_hash, threshold,
+               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
+               HAS_WINDOW_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr,
+               WARP_SPECIALIZE: tl.constexpr, acc2=0.0, q2=0.0, k2_src=0, v2_src=0,
+               HEAD_DIM2: tl.constexpr = 0, BLOCK_D2: tl.constexpr = 0):
+    """The forward's key loop, run by the regular and the split-KV forward: online softmax
+    over key blocks ``[block_lo, block_hi)`` ([Note: one key loop] in ``fwd``): blocks outside
+    ``[full_lo, full_hi)`` are band or sequence edges and pay for the visibility mask.
+    ``k_src``/``v_src`` are the sequence's K/V matrices as ``rows_source`` gives them. With
+    BLOCK_D2 > 0 the head dim is split ([Note: split head dim] in ``fwd``): ``q``, ``k_src``,
+    ``v_src``, ``acc`` hold its first HEAD_DIM - HEAD_DIM2 columns, ``q2``, ``k2_src``,
+    ``v2_src``, ``acc2`` the other HEAD_DIM2 (in BLOCK_D2-wide tiles); else ``acc2`` comes back
+    as given."""
+    diag = seqlen_k - seqlen_q
+    for block in tl.range(block_lo, block_hi, warp_specialize=WARP_SPECIALIZE):
+        start_n = block * BLOCK_N
+        cols = start_n + offs_n
+        k_t = load_rows_t(k_src, start_n, stride_ks, seqlen_k, BLOCK_N, HEAD_DIM - HEAD_DIM2,
+                          BLOCK_D, True, TMA)
+        v = load_rows(v_src, start_n, stride_vs, seqlen_k, BLOCK_N, HEAD_DIM - HEAD_DIM2,
+                      BLOCK_D, True, TMA)
+        qk = tl.dot(q, k_t)
+        if BLOCK_D2 > 0:
+            k2_t = load_rows_t(k2_src, start_n, stride_ks, seqlen_k, BLOCK_N, HEAD_DIM2,
+                               BLOCK_D2, True, TMA)
+            v2 = load_rows(v2_src, start_n, stride_vs, seqlen_k, BLOCK_N, HEAD_DIM2, BLOCK_D2,
+                           True, TMA)
+            qk = tl.dot(q2, k2_t, qk)
+        if SOFTCAP or HAS_ALIBI:
+            s, _ = scores_log2(qk, rows[:, None], cols[None, :], diag, qk_scale,
+                               softcap_log2, alibi_slope_log2, SOFTCAP, HAS_ALIBI)
+            scale = 1.0
+        else:
+            s = qk  # raw: [Note: scale after the max]
+            scale = qk_scale
+        if (block < full_lo) | (block >= full_hi):  # a uniform branch, skipped inside the band
+            ok = visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left,
+                         window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s * scale - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            p = tl.where(dropout_keep(row_hash, cols, threshold), p, 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if BLOCK_D2 > 0:
+            acc2 = acc2 * alpha[:, None] + tl.dot(p.to(v2.dtype), v2)
+        m_i = m_new
+    return acc, l_i, m_i, acc2
+
+
+
+# ---------------------------------------------------------------------------------------------
 # Host side of the launchers: sizes, strides and the scalar/flag arguments every kernel shares.
 # ---------------------------------------------------------------------------------------------
 
@@ -407,7 +472,7 @@ def use_tma(requested: bool, device, shape: LaunchShape, *tensors) -> bool:
     interpreter) and aligned tensors; a refusal is logged once per reason."""
     if not requested:
         return False
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+    if device.type == "cuda" and not hopper_or_later(device):
         _log_once("flash_attn Triton: tensor descriptors need sm90+; using the pointer path")
         return False
     if not shape.tma_ok(*tensors):

@@ -1,6 +1,6 @@
 """Triton forward kernel (FlashAttention-2 style) and its destination-passing launcher.
 
-Glossary (see also ``_triton_common``):
+Glossary (see also ``common``):
   Q, K, V, O, LSE  queries, keys, values, output, log-sum-exp (natural log, float32)
   B, Hq, Hkv       batch, query heads, kv heads; GROUP = Hq // Hkv (kv head = h // GROUP)
   BLOCK_M          query rows of one program; BLOCK_N keys per inner-loop step
@@ -33,7 +33,7 @@ max that is replaced by 0 while it is still -inf, so no ``-inf - -inf`` NaN ever
 
 [Note: dropout] ``l_i`` sums the undropped probabilities (the softmax denominator and lse are
 unaffected by dropout); only the ``P V`` product sees the keep-mask, and ``1 / (1 - p)`` is folded
-into the final normalisation. The keep-mask is the hash of ``_triton_common`` on
+into the final normalisation. The keep-mask is the hash of ``common`` on
 sequence-local (row, key) indices, bitwise equal to ``tests/reference.dropout_keep_mask``.
 
 [Note: scale after the max] Without softcap or ALiBi the loop takes the row max of the raw
@@ -68,73 +68,18 @@ int64; in-tile offsets stay int32, so tensors beyond 2**31 elements address corr
 from __future__ import annotations
 
 import dataclasses
-import functools
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from ._params import AttnParams
-from ._triton_common import (LOG2E, LaunchShape, dropout_keep, dropout_row_hash,
-                             key_block_range, load_rows, load_rows_t, rows_source, scores_log2,
-                             sequence_bounds, shared_arguments, store_rows, use_tma, visible)
-from ._tuning import HEAD_DIM_BUCKETS, TileTable, block_d_for, head_dim_split
-
-
-@triton.jit
-def _inner_loop(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, block_lo, full_lo, full_hi,
-                block_hi, rows, offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2,
-                alibi_slope_log2, window_left, window_right, row_hash, threshold,
-                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
-                HAS_WINDOW_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr,
-                WARP_SPECIALIZE: tl.constexpr, acc2=0.0, q2=0.0, k2_src=0, v2_src=0,
-                HEAD_DIM2: tl.constexpr = 0, BLOCK_D2: tl.constexpr = 0):
-    """Online softmax over key blocks ``[block_lo, block_hi)`` ([Note: one key loop]): blocks
-    outside ``[full_lo, full_hi)`` are band or sequence edges and pay for the visibility mask.
-    ``k_src``/``v_src`` are the sequence's K/V matrices as ``rows_source`` gives them. With
-    BLOCK_D2 > 0 the head dim is split ([Note: split head dim]): ``q``, ``k_src``, ``v_src``,
-    ``acc`` hold its first HEAD_DIM - HEAD_DIM2 columns, ``q2``, ``k2_src``, ``v2_src``,
-    ``acc2`` the other HEAD_DIM2 (in BLOCK_D2-wide tiles); else ``acc2`` comes back as given."""
-    diag = seqlen_k - seqlen_q
-    for block in tl.range(block_lo, block_hi, warp_specialize=WARP_SPECIALIZE):
-        start_n = block * BLOCK_N
-        cols = start_n + offs_n
-        k_t = load_rows_t(k_src, start_n, stride_ks, seqlen_k, BLOCK_N, HEAD_DIM - HEAD_DIM2,
-                          BLOCK_D, True, TMA)
-        v = load_rows(v_src, start_n, stride_vs, seqlen_k, BLOCK_N, HEAD_DIM - HEAD_DIM2,
-                      BLOCK_D, True, TMA)
-        qk = tl.dot(q, k_t)
-        if BLOCK_D2 > 0:
-            k2_t = load_rows_t(k2_src, start_n, stride_ks, seqlen_k, BLOCK_N, HEAD_DIM2,
-                               BLOCK_D2, True, TMA)
-            v2 = load_rows(v2_src, start_n, stride_vs, seqlen_k, BLOCK_N, HEAD_DIM2, BLOCK_D2,
-                           True, TMA)
-            qk = tl.dot(q2, k2_t, qk)
-        if SOFTCAP or HAS_ALIBI:
-            s, _ = scores_log2(qk, rows[:, None], cols[None, :], diag, qk_scale,
-                               softcap_log2, alibi_slope_log2, SOFTCAP, HAS_ALIBI)
-            scale = 1.0
-        else:
-            s = qk  # raw: [Note: scale after the max]
-            scale = qk_scale
-        if (block < full_lo) | (block >= full_hi):  # a uniform branch, skipped inside the band
-            ok = visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left,
-                         window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
-            s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s * scale - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DROPOUT:
-            p = tl.where(dropout_keep(row_hash, cols, threshold), p, 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        if BLOCK_D2 > 0:
-            acc2 = acc2 * alpha[:, None] + tl.dot(p.to(v2.dtype), v2)
-        m_i = m_new
-    return acc, l_i, m_i, acc2
+from .._heuristics import hopper_or_later, split_kv_applies
+from .._params import AttnParams
+from .common import (LOG2E, LaunchShape, dropout_row_hash, inner_loop, key_block_range,
+                     load_rows, rows_source, sequence_bounds, shared_arguments, store_rows,
+                     use_tma)
+from .tuning import HEAD_DIM_BUCKETS, TileTable, block_d_for, head_dim_split
 
 
 @triton.jit(do_not_specialize=["threshold", "seed_lo", "seed_hi"])
@@ -222,7 +167,7 @@ def _attn_fwd_kernel(
         k2_src = 0
         v2_src = 0
         acc2 = 0.0
-    acc, l_i, m_i, acc2 = _inner_loop(
+    acc, l_i, m_i, acc2 = inner_loop(
         acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, full_lo, full_hi, hi, rows,
         offs_n, seqlen_q, seqlen_k, qk_scale, softcap_log2, alibi_slope_log2, window_left,
         window_right, row_hash, thr, HEAD_DIM, BLOCK_N, BLOCK_D, SOFTCAP, HAS_ALIBI,
@@ -252,7 +197,7 @@ def _attn_fwd_kernel(
 # (registers per thread, spills, shared memory), the static constraint that ruled out the
 # neighbours. `benchmarks/tune_triton_fwd.py` times candidates on a GPU and writes
 # `triton_fwd_configs.json` beside this file, keyed by GPU name, BLOCK_D and sequence-length
-# bucket; its entries, with their measured reasons, take precedence (`_tuning`).
+# bucket; its entries, with their measured reasons, take precedence (`tuning`).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -306,11 +251,6 @@ CONFIG_FILE = Path(__file__).with_name("triton_fwd_configs.json")
 TABLE = TileTable("forward", CONFIG_FILE, TILES, FwdTiles)
 
 
-@functools.cache
-def _hopper_or_later(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
 def splits_head_dim(device: torch.device) -> bool:
     """Whether head dims are split on ``device`` ([Note: split head dim]: sm90+ and the
     interpreter; sm80 keeps the padded tiles). Cached per GPU, like the tile lookup."""
@@ -318,8 +258,7 @@ def splits_head_dim(device: torch.device) -> bool:
         return False
     if device.type != "cuda":
         return True
-    return _hopper_or_later(device.index if device.index is not None
-                            else torch.cuda.current_device())
+    return hopper_or_later(device)
 
 
 def split_tiles(head_dim: int, device: torch.device) -> tuple[int, int, int]:
@@ -348,16 +287,15 @@ def forward(q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slope
     Batched: q ``(B, Sq, Hq, D)``, lse ``(B, Hq, Sq)``; varlen (``cu_seqlens_q`` given): q
     ``(Tq, Hq, D)``, lse ``(Hq, Tq)``. Inputs are validated by the caller. ``tiles`` overrides
     the tile table (tests and the tuning script use it). Few query rows per kv head over many
-    keys run on the split-KV kernels of ``_triton_decode`` instead."""
+    keys run on the split-KV kernels of ``decode`` instead."""
     shape = LaunchShape.of(q, k, cu_seqlens_q, params)
     assert shape.heads_q % shape.heads_kv == 0 and q.stride(-1) == 1 and out.is_contiguous()
     if shape.batch == 0 or shape.max_seqlen_q == 0 or shape.heads_q == 0:
         return
-    from . import _triton_decode  # it imports this module's inner loop
-    if tiles is None and _triton_decode.applies(q, k, cu_seqlens_q, params):
-        _triton_decode.forward(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q,
-                               cu_seqlens_k=cu_seqlens_k, s_aux=s_aux, alibi_slopes=alibi_slopes,
-                               params=params)
+    if tiles is None and split_kv_applies(q, k, params):
+        from . import decode
+        decode.forward(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                       s_aux=s_aux, alibi_slopes=alibi_slopes, params=params)
         return
     cfg = tiles or tile_config(shape.head_dim, q.device, shape.longest)
     scalars, flags = shared_arguments(shape, params, alibi_slopes)
