@@ -5,8 +5,8 @@ The estimate is a cost model, not a measurement: per workload, input sets and th
 per (workload, provider), preparing, verifying and compiling; per (workload, provider,
 mode), ``do_bench`` (warm-up + repetitions, each call preceded by an L2 flush) plus the
 calls around it (autotune / compile call, ``do_bench``'s five estimate calls, the peak-memory
-call). Call times come from the TFLOP/s each provider reached on our H200 (ANCHORS.md,
-NOTES.md). Calibration: the run ``20261202-h200-peers-standard-d128`` (6 workloads, SDPA
+call). Call times come from the TFLOP/s each provider reached on our H200 (ANCHORS.md for the
+peers). Calibration: a run of the standard D=128 grid on the H200 (6 workloads, SDPA
 flash / cuDNN / mem-efficient and FlexAttention, 3 modes) took 78 s; FlexAttention's compile
 time is the constant fitted to it, the rest are guesses. Every run writes its measured
 seconds per workload to ``run.json`` (``parts[].seconds``) to recalibrate from.
@@ -19,7 +19,7 @@ import dataclasses
 from .providers import Provider
 from .workloads import Workload, attention_flops
 
-# Forward / backward TFLOP/s on the H200 (bf16, D=128; ANCHORS.md peers, NOTES.md ours).
+# Forward / backward TFLOP/s measured on the H200 (bf16, D=128; the peers' as in ANCHORS.md).
 TFLOPS = {
     "ours-triton": (450.0, 350.0),
     "ours-cuda": (450.0, 350.0),
