@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -332,42 +333,57 @@ def test_backend_variable_accepts_cpu_choices(flash_attn, monkeypatch, value):
 
 
 class _OnCuda:
-    """Stands in for a CUDA tensor where only ``.device`` (and shape) is read."""
+    """Stands in for a CUDA tensor where only ``.device``, shape and dtype are read."""
     device = torch.device("cuda", 0)
-    shape = (2, 16, 4, 64)
     dtype = torch.float16
+
+    def __init__(self, shape=(2, 16, 4, 64)):
+        self.shape = shape
+
+    def dim(self):
+        return len(self.shape)
 
 
 class _FakeCuda:
-    """A ``_cuda`` module that supports forwards only."""
+    """A ``_cuda`` module that supports forwards only; ``readable`` is what its copy engine
+    says of every operand."""
 
     def __init__(self, validated=True):
         self.calls = []
         self.VALIDATED = validated
         self.BWD_VALIDATED = validated
+        self.readable = True
 
     def supports(self, q, k, params, *, backward, varlen, alibi, sink):
         self.calls.append(dict(backward=backward, varlen=varlen, alibi=alibi, sink=sink))
         return not backward
 
+    def copy_engine_ok(self, t):
+        return self.readable
+
 
 @pytest.fixture
 def dispatch(flash_attn, monkeypatch):
     """``_dispatch`` with a fresh log memory, whose choice returns the module's name instead
-    of importing it, and whose heuristics prefer no backend (tests set a preference)."""
+    of its function, and whose heuristics prefer no backend (tests set a preference)."""
     module = submodule(flash_attn, "_dispatch")
     monkeypatch.setattr(module, "_logged", set())
-    monkeypatch.setattr(module, "_import", lambda name: name)
+    monkeypatch.setattr(module, "_import",
+                        lambda name: types.SimpleNamespace(forward=name, backward=name))
     for direction in ("forward", "backward"):
         monkeypatch.setattr(module._heuristics, f"{direction}_prefers_triton",
                             lambda q, k, params: None)
     return module
 
 
-def _select(dispatch, direction, **features):
-    params = dispatch.AttnParams(0.125, False, -1, -1, 0.0, 0.0, 0, False, 16, 16)
+def _select(dispatch, direction, *, seqlen_q=16, seqlen_k=16, dropout_p=0.0, **features):
+    params = dispatch.AttnParams(0.125, False, -1, -1, 0.0, dropout_p, 0, False, seqlen_q,
+                                 seqlen_k)
     features = {"varlen": False, "alibi": False, "sink": False, **features}
-    return dispatch.select_backend(direction, _OnCuda(), _OnCuda(), params, **features)
+    q, k = _OnCuda((2, seqlen_q, 8, 64)), _OnCuda((2, seqlen_k, 2, 64))
+    dout = _OnCuda(q.shape) if direction == "backward" else None
+    return dispatch.select_backend(direction, q, k, _OnCuda(k.shape), params, dout=dout,
+                                   **features)
 
 
 @pytest.mark.kernels_ci
@@ -451,16 +467,62 @@ def test_dispatch_forced_cuda_unsupported_forward(dispatch, monkeypatch, caplog)
     monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "cuda")
     params = dispatch.AttnParams(0.125, True, -1, 0, 0.0, 0.0, 0, False, 16, 16)
     with pytest.raises(ValueError, match="does not support this call"):
-        dispatch.select_backend("forward", _OnCuda(), _OnCuda(), params, varlen=False,
-                                alibi=True, sink=False)
+        dispatch.select_backend("forward", _OnCuda(), _OnCuda(), _OnCuda(), params,
+                                varlen=False, alibi=True, sink=False)
     monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "auto")
     with caplog.at_level(logging.INFO, logger="flash_attn"):
         for _ in range(3):
-            assert dispatch.select_backend("forward", _OnCuda(), _OnCuda(), params,
+            assert dispatch.select_backend("forward", _OnCuda(), _OnCuda(), _OnCuda(), params,
                                            varlen=False, alibi=True,
                                            sink=False) == "_triton.fwd"
     lines = [r.getMessage() for r in caplog.records if r.name == "flash_attn"]
     assert len(lines) == 1 and "does not support" in lines[0], lines
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("requested", ["auto", "cuda"])
+def test_dispatch_operands_the_copy_engine_cannot_read(dispatch, monkeypatch, caplog,
+                                                       requested):
+    """A supported call whose v (or dout) the CUDA kernel's copy engine cannot read runs on
+    Triton, asked for or not, logged once per reason."""
+    fake = _FakeCuda()
+    fake.supports = lambda *args, **kwargs: True
+    monkeypatch.setattr(dispatch, "_cuda", lambda: fake)
+    monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", requested)
+    assert _select(dispatch, "forward") == "_cuda"
+    fake.readable = False
+    with caplog.at_level(logging.INFO, logger="flash_attn"):
+        for _ in range(2):
+            assert _select(dispatch, "forward") == "_triton.fwd"
+            assert _select(dispatch, "backward") == "_triton.bwd"
+    lines = [r.getMessage() for r in caplog.records if r.name == "flash_attn"]
+    assert len(lines) == 2, lines
+    assert "forward" in lines[0] and "v strides/alignment do not suit" in lines[0], lines
+    assert "backward" in lines[1] and "v and dout strides/alignment" in lines[1], lines
+
+
+@pytest.mark.kernels_ci
+def test_dispatch_chooses_the_split_kv_decode(dispatch, monkeypatch, caplog):
+    """A forward that runs on Triton goes to the split-KV decode when few query rows per kv
+    head meet many keys (``_heuristics.split_kv_applies``), whichever way Triton was reached;
+    never a backward, a dropout call or a call the CUDA backend keeps."""
+    keys = dispatch._heuristics.SPLIT_KV_MIN_KEYS
+    fake = _FakeCuda()
+    monkeypatch.setattr(dispatch, "_cuda", lambda: fake)
+    monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "triton")
+    with caplog.at_level(logging.INFO, logger="flash_attn"):
+        assert _select(dispatch, "forward", seqlen_q=1, seqlen_k=keys) == "_triton.decode"
+    lines = [r.getMessage() for r in caplog.records if r.name == "flash_attn"]
+    assert len(lines) == 1 and "split-KV decode" in lines[0], lines
+    assert _select(dispatch, "forward", seqlen_q=1, seqlen_k=keys - 1) == "_triton.fwd"
+    assert _select(dispatch, "forward", seqlen_q=64, seqlen_k=keys) == "_triton.fwd"
+    assert _select(dispatch, "forward", seqlen_q=1, seqlen_k=keys,
+                   dropout_p=0.1) == "_triton.fwd"
+    assert _select(dispatch, "backward", seqlen_q=1, seqlen_k=keys) == "_triton.bwd"
+    monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "auto")
+    assert _select(dispatch, "forward", seqlen_q=1, seqlen_k=keys) == "_cuda"
+    monkeypatch.setattr(dispatch, "_cuda", lambda: None)
+    assert _select(dispatch, "forward", seqlen_q=1, seqlen_k=keys) == "_triton.decode"
 
 
 @pytest.mark.kernels_ci

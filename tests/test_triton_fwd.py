@@ -313,8 +313,8 @@ def test_varlen(fwd, attn_params, device, name):
 
 
 # ---------------------------------------------------------------------------------------------
-# Split-KV decode (`_triton/decode.py`): few query rows per kv head over many keys. The regular
-# launcher routes these calls there; the tests call it with chosen split counts too.
+# Split-KV decode (`_triton/decode.py`): few query rows per kv head over many keys. The
+# dispatcher routes these calls there; the tests call it with chosen split counts too.
 # ---------------------------------------------------------------------------------------------
 
 # SPLIT_KV_MIN_KEYS while these tests run: the interpreter is slow on long key ranges
@@ -355,13 +355,37 @@ def decode_calls(decode, monkeypatch):
     return calls
 
 
+class _Dispatched:
+    """A launcher that runs the forward the dispatcher chooses with the Triton backend asked
+    for, as the custom op calls it (the split-KV decode where it applies)."""
+
+    def __init__(self, dispatch):
+        self.dispatch = dispatch
+
+    def forward(self, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slopes,
+                params, tiles=None):
+        assert tiles is None, "the dispatcher runs the tile table"
+        run = self.dispatch.select_backend("forward", q, k, v, params,
+                                           varlen=cu_seqlens_q is not None,
+                                           alibi=alibi_slopes is not None,
+                                           sink=s_aux is not None)
+        run(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            s_aux=s_aux, alibi_slopes=alibi_slopes, params=params)
+
+
+@pytest.fixture
+def dispatched(package, monkeypatch):
+    monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "triton")
+    return _Dispatched(submodule(package, "_dispatch"))
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.kernels_ci]
                                                if n == "prefill5_gqa_causal" else [])
                                   for n in DECODE_CASES])
-def test_split_kv_through_the_launcher(fwd, attn_params, device, decode_calls, name):
+def test_split_kv_through_the_dispatcher(dispatched, attn_params, device, decode_calls, name):
     torch.manual_seed(7)
-    run_case(fwd, attn_params, device, torch.float16, DECODE_CASES[name])
-    assert decode_calls == [None], "the launcher should have run the split-KV path"
+    run_case(dispatched, attn_params, device, torch.float16, DECODE_CASES[name])
+    assert decode_calls == [None], "the dispatcher should have chosen the split-KV path"
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 40], ids=lambda n: f"splits{n}")
@@ -379,8 +403,8 @@ def test_split_kv_split_counts(decode, heuristics, attn_params, device, num_spli
     check_against_reference(q, k, v, out, lse, params, s_aux=s_aux)
 
 
-@pytest.mark.parametrize("num_splits", [None, 3], ids=["launcher", "splits3"])
-def test_split_kv_varlen(fwd, decode, decode_calls, attn_params, device, num_splits):
+@pytest.mark.parametrize("num_splits", [None, 3], ids=["dispatcher", "splits3"])
+def test_split_kv_varlen(dispatched, decode, decode_calls, attn_params, device, num_splits):
     """Varlen decode as transformers' generate calls it for a padded batch: one or two new
     queries per sequence against caches of different lengths, with an empty query, an empty
     key range and a single key among them; sinks and a band."""
@@ -392,7 +416,7 @@ def test_split_kv_varlen(fwd, decode, decode_calls, attn_params, device, num_spl
     s_aux = torch.randn(8, device=device)
     params = make_params(attn_params, head_dim=32, causal=True, window=(100, -1),
                          max_seqlen_q=max_q, max_seqlen_k=max_k)
-    launch = fwd if num_splits is None else decode
+    launch = dispatched if num_splits is None else decode
     extra = {} if num_splits is None else dict(num_splits=num_splits)
     out, lse = run_forward(launch, q, k, v, params=params, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                            s_aux=s_aux, **extra)

@@ -134,8 +134,7 @@ __device__ __forceinline__ void bulk_wait_all() {
 // an integer (the 1024-byte alignment of the base), so the compiler no longer knows they are
 // shared and emitted generic LD/ST. Those take the long-latency L1TEX path, and the async-proxy
 // fence after the dQ tile waited for them: the H200 profile put a fifth of all the kernel's stall
-// samples (idle producer warps included) on those loads and the two fences (benchmarks/NOTES.md,
-// session 10). Deriving the
+// samples (idle producer warps included) on those loads and the two fences. Deriving the
 // base from the array instead keeps LDS/STS too, but raised the spills (24 -> 68 bytes at D=128).
 // The loads are volatile so that they stay where the code places them.
 __device__ __forceinline__ float2 ld_shared_float2(const float* p) {

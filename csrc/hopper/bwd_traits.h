@@ -133,7 +133,7 @@ struct BwdTraits {
   // K and V stay in shared memory for the whole CTA, and the S^T and dP^T GEMMs read them as
   // their A operands in every step: with both operands in shared memory those GEMMs read
   // 2 x 64 x kHeadDim x 2 bytes per consumer per step on top of Q and dO, and the kernel is
-  // bound by shared-memory bandwidth, not the tensor pipe (NOTES, session 10). Where the
+  // bound by shared-memory bandwidth, not the tensor pipe (an H200 profile). Where the
   // registers allow (D=64: 16 + 16 per thread beside dK, dV, S^T, dP^T and the dQ half), each
   // consumer copies its 64 rows of K and V into registers once and the two GEMMs run RS.
   // With 128 query rows per step the S^T and dP^T accumulators take the registers K and V

@@ -184,8 +184,8 @@ namespace flash::hopper {
 // band tile at every length: its masked share stays the same however long the sequence. Softcap
 // keeps it too (three consumers spill with softcap at D=64). Nothing more is compiled where the
 // two columns agree.
-// At D=64 (H200, causal, B x S = 16k tokens, 32 heads; benchmarks/NOTES.md session 17) the 192-row
-// tile ran 2k -5%, 4k +4%, 8k +8%, 16k +13% against the 128-row one.
+// At D=64 (H200, causal, B x S = 16k tokens, 32 heads) the 192-row tile ran 2k -5%, 4k +4%,
+// 8k +8%, 16k +13% against the 128-row one.
 constexpr int kLongBandMinRows = 4096;
 
 template <class Element, int kHeadDim, bool kWindow, bool kSoftcap>

@@ -13,7 +13,7 @@ from .plots import MODE_TITLES, versions
 MiB = 1 << 20
 SDPA_FLASH = "sdpa-flash"
 
-NOTES = """\
+METHOD = """\
 - **FLOPs**: forward `4 * B * Hq * Sq * Sk * D`, halved for a causal square score matrix;
   causal with `Sq != Sk`, sliding windows and packed documents count the visible (query, key)
   pairs exactly (bottom-right aligned masks). Backward = 2.5x forward, forward + backward =
@@ -199,5 +199,5 @@ def markdown(records: list[dict], skips: list[dict], env: dict, plots: list[Path
         for (provider, mode, reason), n in grouped.items():
             lines.append(_row([provider, str(n), mode, reason.replace("|", "/").replace("\n", " ")]))
         lines.append("")
-    lines += ["## Method", "", NOTES]
+    lines += ["## Method", "", METHOD]
     return "\n".join(lines)

@@ -4,8 +4,9 @@ Calls the compiled destination-passing ops ``ops.hopper_fwd`` and ``ops.hopper_b
 (csrc/hopper, registered in torch-ext/torch_binding.cpp). The backward recomputes from q, k, v,
 out and lse (the Triton forward's lse has the same definition, so either forward pairs with
 either backward). It covers the compiled backward head dims; deterministic mode orders the dQ
-reductions (bitwise reproducible); dropout and ALiBi run on Triton (``supports`` says False and
-the dispatcher logs the fallback).
+reductions (bitwise reproducible). What it cannot run (dropout, ALiBi, a ``v`` or ``dout`` its
+copy engine cannot read: ``supports``, ``copy_engine_ok``) the dispatcher sends to Triton and
+logs; this module calls no other backend.
 
 Importing this module touches neither CUDA nor the compiled extension; ``supports`` returns
 False when the extension is absent (noarch builds) or the op is missing from it.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 
 import torch
 
@@ -26,13 +26,13 @@ from ._params import AttnParams
 
 # [Note: validation] ``auto`` dispatch uses this kernel only while VALIDATED is True. It was set
 # after tests/test_cuda_fwd.py (85 cases, both dtypes, every compiled head dim and feature),
-# tests/test_gpu.py and compute-sanitizer memcheck/racecheck/synccheck passed on an H200
-# (2026-12-02); FLASH_ATTN_HUB_BACKEND=triton opts out.
+# tests/test_gpu.py and compute-sanitizer memcheck/racecheck/synccheck passed on an H200;
+# FLASH_ATTN_HUB_BACKEND=triton opts out.
 VALIDATED = True
 # The backward's flag: set after tests/test_cuda_bwd.py (92 cases), tests/test_gpu.py (121, through
-# the API with auto) and compute-sanitizer memcheck/racecheck passed on an H200 (2026-12-03);
-# head dims 192 and 256 (the head-dim split) joined after the same checks on 2026-12-04
-# (test_cuda_bwd.py 129 cases, the GPU suite 412, the three sanitizer tools clean).
+# the API with auto) and compute-sanitizer memcheck/racecheck passed on an H200; head dims 192
+# and 256 (the head-dim split) joined after the same checks (test_cuda_bwd.py 129 cases, the
+# GPU suite 412, the three sanitizer tools clean).
 BWD_VALIDATED = True
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -44,8 +44,6 @@ _WORKSPACE_ALIGN = 128
 _WORKSPACE_BLOCK = 64
 _MAX_GRID_Y_Z = 65535  # heads and batch are grid dimensions
 _MAX_STRIDE_BYTES = 1 << 40  # the copy engine's stride limit
-
-logger = logging.getLogger("flash_attn")
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,7 +59,7 @@ def _op(name: str = "hopper_fwd"):
         return None
 
 
-def _copy_engine_ok(t: torch.Tensor) -> bool:
+def copy_engine_ok(t: torch.Tensor) -> bool:
     """The tensor-map rules: 16-byte aligned base, 16-byte multiple strides below 2**40
     (dims of extent 1 are exempt: their stride is never used)."""
     if t.stride(-1) != 1 or t.data_ptr() % 16 != 0:
@@ -94,7 +92,7 @@ def supports(q: torch.Tensor, k: torch.Tensor, params: AttnParams, *, backward: 
         return False
     if k.shape[-3] == 0:  # a tensor map needs a non-empty tensor
         return False
-    if not (_copy_engine_ok(q) and _copy_engine_ok(k)):
+    if not (copy_engine_ok(q) and copy_engine_ok(k)):
         return False
     if _op("hopper_bwd" if backward else "hopper_fwd") is None:
         return False
@@ -140,14 +138,7 @@ def forward(q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slope
             params: AttnParams) -> None:
     """Destination-passing forward (see the backend interface in the package contract)."""
     assert alibi_slopes is None and params.dropout_p == 0, "supports() excludes these"
-    if not _copy_engine_ok(v):
-        logger.info("flash_attn forward: v strides/alignment do not suit the CUDA kernel; "
-                    "running the Triton forward instead")
-        from ._triton import fwd
-        fwd.forward(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q,
-                            cu_seqlens_k=cu_seqlens_k, s_aux=s_aux, alibi_slopes=alibi_slopes,
-                            params=params)
-        return
+    assert copy_engine_ok(v), "the dispatcher sends such a v to Triton"
     if s_aux is not None:
         s_aux = s_aux.contiguous()
     packed = PACKED_DECODE and packed_decode(q, k, out, lse, cu_seqlens_q=cu_seqlens_q,
@@ -186,14 +177,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
              alibi_slopes, params: AttnParams) -> None:
     """Destination-passing backward (see the backend interface in the package contract)."""
     assert alibi_slopes is None and params.dropout_p == 0, "supports() excludes these"
-    if not (_copy_engine_ok(v) and _copy_engine_ok(dout)):
-        logger.info("flash_attn backward: v or dout strides/alignment do not suit the CUDA "
-                    "kernel; running the Triton backward instead")
-        from ._triton import bwd
-        bwd.backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux,
-                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, s_aux=s_aux,
-                             alibi_slopes=alibi_slopes, params=params)
-        return
+    assert copy_engine_ok(v) and copy_engine_ok(dout), "the dispatcher sends these to Triton"
     rows, heads = _workspace_rows(q, cu_seqlens_q)
     lse2 = torch.empty(rows * heads, device=q.device, dtype=torch.float32)
     delta = torch.empty_like(lse2)

@@ -64,8 +64,9 @@ def _params(softmax_scale, causal, window_left, window_right, softcap, dropout_p
                       max_seqlen_k=max_seqlen_k)
 
 
-def _select(direction, q, k, cu_seqlens_q, s_aux, alibi_slopes, params):
-    return _dispatch.select_backend(direction, q, k, params, varlen=cu_seqlens_q is not None,
+def _select(direction, q, k, v, cu_seqlens_q, s_aux, alibi_slopes, params, dout=None):
+    return _dispatch.select_backend(direction, q, k, v, params, dout=dout,
+                                    varlen=cu_seqlens_q is not None,
                                     alibi=alibi_slopes is not None, sink=s_aux is not None)
 
 
@@ -81,9 +82,9 @@ def _fwd_body(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
     lse = _new_output(_lse_shape(q, cu_seqlens_q), torch.float32, q.device)
     if q.numel() == 0:
         return out, lse
-    backend = _select("forward", q, k, cu_seqlens_q, s_aux, alibi_slopes, params)
-    backend.forward(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                    s_aux=s_aux, alibi_slopes=alibi_slopes, params=params)
+    forward = _select("forward", q, k, v, cu_seqlens_q, s_aux, alibi_slopes, params)
+    forward(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            s_aux=s_aux, alibi_slopes=alibi_slopes, params=params)
     return out, lse
 
 
@@ -119,10 +120,10 @@ def _bwd_body(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         return dq, dk, dv, ds_aux
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    backend = _select("backward", q, k, cu_seqlens_q, s_aux, alibi_slopes, params)
-    backend.backward(dout, q, k, v, out, lse, dq, dk, dv, None if s_aux is None else ds_aux,
-                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, s_aux=s_aux,
-                     alibi_slopes=alibi_slopes, params=params)
+    backward = _select("backward", q, k, v, cu_seqlens_q, s_aux, alibi_slopes, params, dout)
+    backward(dout, q, k, v, out, lse, dq, dk, dv, None if s_aux is None else ds_aux,
+             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, s_aux=s_aux,
+             alibi_slopes=alibi_slopes, params=params)
     return dq, dk, dv, ds_aux
 
 

@@ -1,11 +1,13 @@
-"""The one backend choice: which module computes a forward or a backward.
+"""The one dispatch point: which backend function computes a forward or a backward.
 
 ``FLASH_ATTN_HUB_BACKEND`` (read on every call, so tests and users can switch it at run time):
 
 * ``auto`` (default): CUDA tensors go to Triton; CPU tensors go to ``_cpu``. The compiled
   Hopper forward ``_cuda`` joins ``auto`` only once ``_cuda.VALIDATED`` is true, and its
   backward once ``_cuda.BWD_VALIDATED`` is, i.e. after each has passed the GPU test matrix;
-  until then it runs only when asked for with ``cuda``.
+  until then it runs only when asked for with ``cuda``. A call the CUDA backend supports still
+  runs on Triton where ``_heuristics.forward_prefers_triton`` / ``backward_prefers_triton``
+  say why (long decodes, small banded backward grids).
 * ``triton``: the Triton kernels (``_triton.fwd`` / ``_triton.bwd``). On CPU tensors only under
   Triton's interpreter (``TRITON_INTERPRET=1``).
 * ``cuda``: the compiled backend for the forward, an error when it is missing or does not
@@ -13,9 +15,15 @@
 * ``cpu``: the PyTorch-ops backend ``_cpu``; its torch ops run on any device, which makes it a
   slow but exact fallback for debugging on a GPU too.
 
+Every other choice is made here too, never inside a backend: a call whose ``v`` (or ``dout``)
+strides or alignment the CUDA kernel's copy engine cannot read runs on Triton, whatever was
+asked for, and a Triton forward with few query rows per kv head over many keys runs on the
+split-KV decode (``_triton.decode``, by ``_heuristics.split_kv_applies``). Backends never call
+one another.
+
 Backend modules are imported on first use, so importing the package imports no kernel module
-(and so never touches CUDA or autotuning). Each distinct choice is logged once on the
-``flash_attn`` logger, with the reason, so a fallback to a slower path is never silent.
+(and so never touches CUDA or autotuning). Each distinct (direction, backend, reason) is logged
+once on the ``flash_attn`` logger, so a fallback to a slower path is never silent.
 """
 
 from __future__ import annotations
@@ -33,13 +41,15 @@ BACKENDS = ("auto", "triton", "cpu", "cuda")
 
 logger = logging.getLogger("flash_attn")
 
-_MODULES = {
-    ("cpu", "forward"): "_cpu",
-    ("cpu", "backward"): "_cpu",
-    ("triton", "forward"): "_triton.fwd",
-    ("triton", "backward"): "_triton.bwd",
-    ("cuda", "forward"): "_cuda",
-    ("cuda", "backward"): "_cuda",
+# (backend, kernel) -> (module, function); kernel is the direction, or "decode" (a forward)
+_FUNCTIONS = {
+    ("cpu", "forward"): ("_cpu", "forward"),
+    ("cpu", "backward"): ("_cpu", "backward"),
+    ("triton", "forward"): ("_triton.fwd", "forward"),
+    ("triton", "decode"): ("_triton.decode", "forward"),
+    ("triton", "backward"): ("_triton.bwd", "backward"),
+    ("cuda", "forward"): ("_cuda", "forward"),
+    ("cuda", "backward"): ("_cuda", "backward"),
 }
 _logged: set[tuple] = set()
 _NOT_SHIPPED = object()
@@ -76,8 +86,11 @@ def _interpreting() -> bool:
     return os.environ.get(ENV_INTERPRET, "0") not in ("", "0")
 
 
-def _choose(requested: str, direction: str, q, k, params: AttnParams, features: dict):
-    """``(backend name, reason)``; raises when the requested backend cannot run the call."""
+def _choose(requested: str, direction: str, q, k, params: AttnParams, features: dict,
+            operands: dict):
+    """``(backend name, reason)``; raises when the requested backend cannot run the call.
+    ``operands``: the tensors besides q and k that the CUDA kernel reads through its copy
+    engine (``v``, and ``dout`` for a backward), by name."""
     if requested == "cpu":
         return "cpu", f"{ENV_BACKEND}=cpu"
     if q.device.type != "cuda":
@@ -103,6 +116,10 @@ def _choose(requested: str, direction: str, q, k, params: AttnParams, features: 
         why = prefers(q, k, params) if requested == "auto" else None
         if why:
             return "triton", f"{ENV_BACKEND}=auto; {why}"
+        unsuited = [name for name, t in operands.items() if not cuda.copy_engine_ok(t)]
+        if unsuited:
+            return "triton", (f"{ENV_BACKEND}={requested}; {' and '.join(unsuited)} strides/"
+                              f"alignment do not suit the CUDA kernel")
         return "cuda", f"{ENV_BACKEND}={requested}, supported by the CUDA backend"
     if requested == "cuda" and direction == "forward":
         missing = ("this build has no compiled CUDA backend" if cuda is None else
@@ -122,18 +139,27 @@ def _describe(q, k, params: AttnParams, features: dict) -> str:
             + (", " + ", ".join(on) if on else ""))
 
 
-def select_backend(direction: str, q, k, params: AttnParams, *, varlen: bool, alibi: bool,
-                   sink: bool):
-    """The module whose ``forward`` (``direction="forward"``) or ``backward`` runs this call.
+def select_backend(direction: str, q, k, v, params: AttnParams, *, dout=None, varlen: bool,
+                   alibi: bool, sink: bool):
+    """The function that runs this call: a backend's destination-passing ``forward``
+    (``direction="forward"``) or ``backward`` (which also takes ``dout``).
 
     ``varlen``/``alibi``/``sink`` say whether cu_seqlens, ALiBi slopes and ``s_aux`` are in
     play; they are passed on to ``_cuda.supports(q, k, params, *, backward, varlen, alibi,
     sink)``."""
     features = {"varlen": varlen, "alibi": alibi, "sink": sink}
-    name, reason = _choose(requested_backend(), direction, q, k, params, features)
+    operands = {"v": v} if direction == "forward" else {"v": v, "dout": dout}
+    name, reason = _choose(requested_backend(), direction, q, k, params, features, operands)
+    kernel = direction
+    if name == "triton" and direction == "forward" and _heuristics.split_kv_applies(q, k,
+                                                                                   params):
+        kernel = "decode"
+        reason += ("; few query rows per kv head over many keys run on the split-KV decode "
+                   "kernel")
     key = (direction, name, reason, q.device.type)
     if key not in _logged:
         _logged.add(key)
         logger.info("flash_attn %s on %s: %s backend (%s)", direction, q.device.type, name,
                     reason)
-    return _import(_MODULES[(name, direction)])
+    module, function = _FUNCTIONS[(name, kernel)]
+    return getattr(_import(module), function)

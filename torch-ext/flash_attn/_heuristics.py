@@ -98,7 +98,8 @@ def tile_arch(device: torch.device) -> str:
 # Without a band every program does the same work, so one wave is enough: the split is only
 # taken when the grid leaves over a tenth of the SMs idle (the H200 measured MQA 32/1, 4k, full:
 # 128 programs unsplit 397 TFLOP/s, split 8 389).
-DKDV_WAVES = 4  # programs per SM the split aims for under a band, untimed: evens out the causal tail
+# programs per SM the split aims for under a band, untimed: evens out the causal tail
+DKDV_WAVES = 4
 DKDV_FULL_FILL = 0.9  # without a band: the fraction of one wave the grid must reach
 
 

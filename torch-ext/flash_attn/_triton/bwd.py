@@ -24,8 +24,8 @@ Three launches:
      fill the GPU (MQA, high GQA ratios), the group is split across GROUP_SPLITS programs per
      key block, each looping over GROUP / GROUP_SPLITS heads and storing fp32 partial dK/dV
      into a (GROUP_SPLITS, ..K/V shape..) buffer that one torch sum per gradient reduces in
-     a fixed order ([Note: group split], ``dkdv_group_splits``). GROUP_SPLITS = 1, the common
-     case, stores dK and dV directly: no buffer, no reduction op.
+     a fixed order ([Note: group split] and ``dkdv_group_splits`` in ``_heuristics``).
+     GROUP_SPLITS = 1, the common case, stores dK and dV directly: no buffer, no reduction op.
   3. ``_bwd_dq_kernel``: one program owns DQ_BLOCK_M queries of one (batch, query head) and
      loops over the band's key blocks, recomputing P from LSE.
 With ``deterministic=True`` every output element (and every partial) is written by exactly one
@@ -481,10 +481,10 @@ class BwdTiles:
 
 
 _T = BwdTiles
-# sm90 D=128 is the configuration timed on an H200 (2026-12-02, bf16, 16k tokens): about 350
-# TFLOP/s backward, 1.15-1.2x SDPA flash. The H200's tuning-file entry supersedes it there (tuned
-# on MHA and GQA together, 2026-12-03: 1.24-1.31x SDPA flash). Query steps of 16 rows, which ptxas prefers (fewer
-# spilled registers), measured 3x slower (102-124 TFLOP/s): the dK/dV dots then have K=16 and
+# sm90 D=128 is the configuration timed on an H200 (bf16, 16k tokens): about 350 TFLOP/s
+# backward, 1.15-1.2x SDPA flash. The H200's tuning-file entry supersedes it there (tuned on
+# MHA and GQA together: 1.24-1.31x SDPA flash). Query steps of 16 rows, which ptxas prefers
+# (fewer spilled registers), measured 3x slower (102-124 TFLOP/s): the dK/dV dots then have K=16 and
 # the loop runs 4x more iterations, which costs far more than the few spilled registers of
 # 64-row steps. Other entries follow the same shapes, scaled by the register budget (a dK/dV
 # program holds two BLOCK_N x BLOCK_D fp32 accumulators; D=256 halves the tiles), untimed.
@@ -581,7 +581,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
             raise ValueError(f"group_splits must divide Hq // Hkv = {group}; got {group_splits}")
         if group_splits == 1:
             dk_dst, dv_dst, split_stride = dk, dv, 0
-        else:  # [Note: group split]
+        else:  # [Note: group split] in _heuristics
             partial = torch.empty((2, group_splits, *dk.shape), device=dk.device,
                                   dtype=torch.float32)
             dk_dst, dv_dst, split_stride = partial[0], partial[1], partial.stride(1)

@@ -14,10 +14,10 @@ Glossary (see also ``fwd`` and ``common``):
 The regular forward runs one program per (query block, query head): at Sq = 1 its tile holds
 one real row of BLOCK_M, and B * Hq programs each walk every key alone (at 4k-128k keys most of
 the GPU idles). Here B * Hkv * NUM_SPLITS programs share the keys (batched, or varlen as
-transformers' generate calls it for padded batches), each running the forward's
-own key loop (``common.inner_loop``: the same score hooks and band masks) over its range;
-which calls run here is ``_heuristics.split_applies``'s rule. ``_combine_kernel`` then merges a row's splits in a fixed order, so the result does not
-depend on timing.
+transformers' generate calls it for padded batches), each running the forward's own key loop
+(``common.inner_loop``: the same score hooks and band masks) over its range; ``_combine_kernel``
+then merges a row's splits in a fixed order, so the result does not depend on timing. Which
+calls run here is ``_heuristics.split_applies``'s rule, applied by the dispatcher.
 
 [Note: combining splits] Split s holds ``O_s = sum_j p_j v_j / l_s`` and
 ``L_s = m_s + log2(l_s)``. With ``top = max(max_s L_s, sink)`` the row's denominator is

@@ -22,7 +22,7 @@ the band's interior blocks skip (uniform across the program, so no divergence). 
 row-checked in every block (free with tensor descriptors; one compare per row on the pointer
 path). Three loops (the interior, then each edge) fill Triton's load pipeline once each, so a
 causal program paid two fills; on the H200 the one loop measured +2-4% causal at 4k-16k and
-+7% at 1k, full masks level, with bitwise-equal outputs (benchmarks/NOTES.md, session 13).
++7% at 1k, full masks level, with bitwise-equal outputs.
 The backward kernels keep three loops: the same change lost 7-11% there on GQA and full masks.
 
 [Note: sinks and empty rows] With a sink the running max starts at ``s_aux * log2(e)`` and the
@@ -74,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._heuristics import hopper_or_later, split_kv_applies
+from .._heuristics import hopper_or_later
 from .._params import AttnParams
 from .common import (LOG2E, LaunchShape, dropout_row_hash, inner_loop, key_block_range,
                      load_rows, rows_source, sequence_bounds, shared_arguments, store_rows,
@@ -220,8 +220,8 @@ _T = FwdTiles
 _SM90_64 = _T(128, 64, 8, 3, "ptxas sm90: 225 regs, 0 spills, 64 KB smem; 4 warps spill")
 _SM80_64 = _T(128, 64, 8, 3, "ptxas sm80: 189 regs, 0 spills, 48 KB smem; 4 warps hit 255 regs")
 _INTERP = _T(32, 16, 1, 1, "interpreter: small, BLOCK_M != BLOCK_N, so tests cross both kinds")
-# sm90 D=64/128/256 are the H200's tuned tiles (benchmarks/results/20261204-0705-...), so every
-# Hopper GPU starts from them; the H200's own file adds its 1k bucket, where descriptors lose.
+# sm90 D=64/128/256 are the H200's tuned tiles, so every Hopper GPU starts from them; the
+# H200's own entries in the tuning file add its 1k bucket, where descriptors lose.
 TILES = {
     ("sm90", 16): _SM90_64,
     ("sm90", 32): _SM90_64,
@@ -286,16 +286,11 @@ def forward(q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slope
 
     Batched: q ``(B, Sq, Hq, D)``, lse ``(B, Hq, Sq)``; varlen (``cu_seqlens_q`` given): q
     ``(Tq, Hq, D)``, lse ``(Hq, Tq)``. Inputs are validated by the caller. ``tiles`` overrides
-    the tile table (tests and the tuning script use it). Few query rows per kv head over many
-    keys run on the split-KV kernels of ``decode`` instead."""
+    the tile table (tests and the tuning script use it). The dispatcher sends few query rows
+    per kv head over many keys to the split-KV kernels of ``decode`` instead."""
     shape = LaunchShape.of(q, k, cu_seqlens_q, params)
     assert shape.heads_q % shape.heads_kv == 0 and q.stride(-1) == 1 and out.is_contiguous()
     if shape.batch == 0 or shape.max_seqlen_q == 0 or shape.heads_q == 0:
-        return
-    if tiles is None and split_kv_applies(q, k, params):
-        from . import decode
-        decode.forward(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                       s_aux=s_aux, alibi_slopes=alibi_slopes, params=params)
         return
     cfg = tiles or tile_config(shape.head_dim, q.device, shape.longest)
     scalars, flags = shared_arguments(shape, params, alibi_slopes)

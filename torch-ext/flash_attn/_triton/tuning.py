@@ -16,7 +16,7 @@ defaults, so a file written before a field existed stays valid)::
     {"kernel": "forward",
      "entries": [{"gpu": "NVIDIA H200", "block_d": 128, "seqlen_bucket": 4096,
                   "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3,
-                  "reason": "measured 2026-12-02 ..."}]}
+                  "reason": "measured on NVIDIA H200 ..."}]}
 
 Lookup for a call (head dim, longer of max_seqlen_q / max_seqlen_k, device): the file's entry
 for (gpu, width, bucket); else the file's entry for (gpu, width) at the nearest bucket it
@@ -58,8 +58,7 @@ def block_d_for(head_dim: int) -> int:
 
 # The narrowest padded width whose head dims the Triton forward splits into two tiles: the
 # H200 measured 256 -> 128 + 64 at D=192 +8% (full, 4k and 16k) and 128 + 32 at D=160 +9-13%,
-# but 128 -> 64 + 32 at D=96 and 64 + 16 at D=80 14-20% slower (B=4, S=4k, 16 heads;
-# benchmarks/results/20261204-1820-...-triton-fwd-split-head-dim).
+# but 128 -> 64 + 32 at D=96 and 64 + 16 at D=80 14-20% slower (B=4, S=4k, 16 heads).
 SPLIT_MIN_PADDED = 256
 
 
