@@ -451,7 +451,7 @@ def _bwd_dq_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Tile sizes: the one table of defaults, keyed by (arch, BLOCK_D). `benchmarks/tune_triton_bwd.py`
+# Tile sizes: the one table of defaults, keyed by (arch, BLOCK_D). `python -m flash_attn_hub tune bwd`
 # measures candidates on a GPU and writes `triton_bwd_configs.json` beside this file, keyed by
 # GPU name, BLOCK_D and sequence-length bucket; its entries, with their measured reasons, take
 # precedence (`tuning`).

@@ -46,7 +46,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def mix32(x):
-    """uint32 finaliser of the dropout RNG (tests/reference.py: ``mix32``)."""
+    """uint32 finaliser of the dropout RNG (flash_attn_hub/reference.py: ``mix32``)."""
     x = x ^ (x >> 16)
     x = x * 0x21F0AAAD
     x = x ^ (x >> 15)
@@ -99,7 +99,7 @@ def score_constants(softmax_scale: float, softcap: float) -> tuple[float, float]
 
 def dropout_constants(dropout_p: float, seed: int) -> tuple[int, int, int]:
     """Host side of the dropout hash: ``(threshold, seed_lo, seed_hi)``, the uint32 values of
-    ``tests/reference.dropout_keep_mask`` (keep iff hash >= threshold)."""
+    ``flash_attn_hub.reference.dropout_keep_mask`` (keep iff hash >= threshold)."""
     threshold = min(int(dropout_p * 2**32), 0xFFFFFFFF)
     return threshold, seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
 

@@ -34,7 +34,7 @@ max that is replaced by 0 while it is still -inf, so no ``-inf - -inf`` NaN ever
 [Note: dropout] ``l_i`` sums the undropped probabilities (the softmax denominator and lse are
 unaffected by dropout); only the ``P V`` product sees the keep-mask, and ``1 / (1 - p)`` is folded
 into the final normalisation. The keep-mask is the hash of ``common`` on
-sequence-local (row, key) indices, bitwise equal to ``tests/reference.dropout_keep_mask``.
+sequence-local (row, key) indices, bitwise equal to ``flash_attn_hub.reference.dropout_keep_mask``.
 
 [Note: scale after the max] Without softcap or ALiBi the loop takes the row max of the raw
 ``q.k`` tile and scales the (BLOCK_M,) max, not the tile: ``qk_scale > 0`` (validated), so
@@ -195,7 +195,7 @@ def _attn_fwd_kernel(
 # Tile sizes: the one table of defaults, keyed by (arch, BLOCK_D). No GPU timing stands behind
 # most of them: each reason quotes ptxas for a bf16 compile of the kernel with every feature on
 # (registers per thread, spills, shared memory), the static constraint that ruled out the
-# neighbours. `benchmarks/tune_triton_fwd.py` times candidates on a GPU and writes
+# neighbours. `python -m flash_attn_hub tune fwd` times candidates on a GPU and writes
 # `triton_fwd_configs.json` beside this file, keyed by GPU name, BLOCK_D and sequence-length
 # bucket; its entries, with their measured reasons, take precedence (`tuning`).
 # ---------------------------------------------------------------------------------------------
