@@ -137,3 +137,39 @@ def select_backend(direction: str, q, k, params: AttnParams, *, varlen: bool, al
         logger.info("flash_attn %s on %s: %s backend (%s)", direction, q.device.type, name,
                     reason)
     return _import(_MODULES[(name, direction)])
+
+
+# KV-cache calls (``flash_attn_with_kvcache``, paged ``flash_attn_varlen_func``): the CPU
+# backend's ``kvcache_forward`` or the Triton kernel's ``forward``. No compiled CUDA kernel
+# reads a paged cache yet, so ``cuda`` runs them on Triton (logged).
+_KVCACHE = {"cpu": ("_cpu", "kvcache_forward"), "triton": ("_triton.kvcache", "forward")}
+
+
+def _choose_kvcache(requested: str, q):
+    if requested == "cpu":
+        return "cpu", f"{ENV_BACKEND}=cpu"
+    if q.device.type != "cuda":
+        if requested == "auto":
+            return "cpu", f"tensors on {q.device.type}"
+        if requested == "triton" and _interpreting():
+            return "triton", f"{ENV_BACKEND}=triton under {ENV_INTERPRET}=1"
+        needs = (f"CUDA tensors, or {ENV_INTERPRET}=1 (set before the package is imported) for "
+                 f"CPU tensors" if requested == "triton" else "CUDA tensors")
+        raise ValueError(f"{ENV_BACKEND}={requested}: got tensors on {q.device}; the "
+                         f"{requested} backend needs {needs}")
+    if requested == "cuda":
+        return "triton", f"{ENV_BACKEND}=cuda; the CUDA backend has no kv-cache kernel"
+    return "triton", f"{ENV_BACKEND}={requested}"
+
+
+def select_kvcache_backend(q, *, paged: bool, varlen: bool):
+    """The function (``kvcache_forward`` of ``_cpu``, ``forward`` of ``_triton.kvcache``) that
+    runs a kv-cache call: the destination-passing contract of ``kvcache._kvcache_body``."""
+    name, reason = _choose_kvcache(requested_backend(), q)
+    kind = "paged varlen" if varlen else "kv-cache paged" if paged else "kv-cache"
+    key = ("kvcache", kind, name, reason, q.device.type)
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("flash_attn %s on %s: %s backend (%s)", kind, q.device.type, name, reason)
+    module, function = _KVCACHE[name]
+    return getattr(_import(module), function)
