@@ -13,6 +13,11 @@
 * ``cpu``: the PyTorch-ops backend ``_cpu``; its torch ops run on any device, which makes it a
   slow but exact fallback for debugging on a GPU too.
 
+KV-cache calls (``flash_attn_with_kvcache``, a paged ``flash_attn_varlen_func``) choose the
+same way between ``_cpu.kvcache_forward`` and ``_triton.kvcache``
+(:func:`select_kvcache_backend`); with ``cuda`` they run on Triton, logged, as no compiled
+kernel reads a KV cache.
+
 Backend modules are imported on first use, so importing the package imports no kernel module
 (and so never touches CUDA or autotuning). Each distinct choice is logged once on the
 ``flash_attn`` logger, with the reason, so a fallback to a slower path is never silent.
