@@ -80,7 +80,8 @@ def _cdiv(a: int, b: int) -> int:
 def build(case: Case, device) -> tuple[dict, list]:
     """The call's keyword arguments (poisoned caches) and the appended slots, as
     ``(b, j, (block or row, slot))`` for new token ``j`` of sequence ``b``."""
-    batch, (heads_q, heads_kv), dim, dtype = len(case.lengths), case.heads, case.head_dim, case.dtype
+    batch, (heads_q, heads_kv) = len(case.lengths), case.heads
+    dim, dtype = case.head_dim, case.dtype
     new = case.seqlen_new
     starts = case.leftpad or (0,) * batch
     ends = [n + new if n >= 0 else 0 for n in case.lengths]
@@ -549,3 +550,178 @@ def test_opcheck(flash_attn):
     values = [getattr(params, name) for name in kvcache.PARAM_FIELDS]
     torch.library.opcheck(kvcache.kvcache_fwd, (*tensors, *values),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Unchecked calls (CUDA-graph capture skips the value checks): bad values must stay inside the
+# cache. The Triton launcher is called directly, past the checks, on caches that are views into
+# the middle of a larger guarded buffer.
+# ---------------------------------------------------------------------------------------------
+
+def _guarded(shape, dtype, device):
+    """A NaN tensor of ``shape`` inside a buffer with 4096 guard elements on each side."""
+    count = math.prod(shape)
+    buffer = torch.full((count + 8192,), 1234.0, dtype=dtype, device=device)
+    view = buffer[4096:4096 + count].view(shape)
+    view.fill_(math.nan)
+    return buffer, view
+
+
+def _select(args: dict, rows: list) -> dict:
+    """The call's arguments for the sequences ``rows`` alone (caches shared)."""
+    picked = {}
+    for name, value in args.items():
+        per_sequence = name in ("q", "k", "v", "block_table", "cache_seqlens", "cache_leftpad",
+                                "cache_batch_idx")
+        picked[name] = value[rows] if per_sequence and isinstance(value, torch.Tensor) else value
+    return picked
+
+
+@pytest.mark.parametrize("bad", ["table_past_num_blocks", "table_negative",
+                                 "seqlens_past_capacity", "batch_idx_out_of_range",
+                                 "leftpad_past_seqlens"])
+def test_triton_unchecked_bad_values_stay_inside_the_cache(flash_attn, triton_device, bad):
+    paged = bad.startswith("table") or bad == "seqlens_past_capacity"
+    case = Case(page_size=4 if paged else None, lengths=(5, 6, 2), seqlen_new=3, seqlen_q=2,
+                leftpad=None if paged else (1, 0, 2), batch_idx=bad == "batch_idx_out_of_range")
+    torch.manual_seed(0)
+    good, _ = build(case, triton_device)
+    args = dict(good)
+    buffers = []
+    for name in ("k_cache", "v_cache"):
+        buffer, view = _guarded(good[name].shape, case.dtype, triton_device)
+        view.copy_(good[name])
+        args[name] = view
+        buffers.append(buffer)
+    edits = {"table_past_num_blocks": ("block_table", (1, 1), good["k_cache"].shape[0] + 3),
+             "table_negative": ("block_table", (1, 0), -7),
+             "seqlens_past_capacity": ("cache_seqlens", 1, 4 * case_capacity(good) - 1),
+             "batch_idx_out_of_range": ("cache_batch_idx", 1, 9),
+             "leftpad_past_seqlens": ("cache_leftpad", 1, 100)}
+    name, index, value = edits[bad]
+    args[name] = args[name].clone()
+    args[name][index] = value
+    kvcache = submodule(flash_attn, "kvcache")
+    params = submodule(flash_attn, "_params").KvCacheParams(
+        softmax_scale=case.head_dim ** -0.5, causal=True, window_left=-1, window_right=0,
+        softcap=0.0, rotary_interleaved=True, num_splits=0, max_seqlen_q=case.seqlen_q,
+        max_seqlen_k=case_capacity(good))
+    forward = submodule(flash_attn, "_dispatch").select_kvcache_backend(
+        args["q"], paged=paged, varlen=False)
+    out = torch.full_like(args["q"], math.nan)
+    lse = torch.full((3, case.heads[0], case.seqlen_q), math.nan, device=triton_device)
+    forward(args["q"], args["k_cache"], args["v_cache"], out, lse, params=params,
+            **{name: args.get(name) for name in kvcache.TENSORS[3:]})
+    for buffer in buffers:
+        assert (buffer[:4096] == 1234.0).all() and (buffer[-4096:] == 1234.0).all(), (
+            "a write outside the cache")
+    rows = [0, 2]  # the sequences with good values are unaffected
+    ref64 = kvcache_reference(**_select(good, rows))
+    lowp = kvcache_reference(**_select(good, rows), dtype=case.dtype)
+    assert_close_to_reference("out", out[rows], ref64["out"], lowp["out"])
+    assert_close_to_reference("lse", lse[rows], ref64["lse"], lowp["lse"])
+
+
+def case_capacity(args: dict) -> int:
+    """A built case's capacity: block-table width times page size, or the cache length."""
+    if "block_table" in args:
+        return args["block_table"].shape[1] * args["k_cache"].shape[1]
+    return args["k_cache"].shape[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: realistic sizes, CUDA-graph capture, no host synchronisation.
+# ---------------------------------------------------------------------------------------------
+
+GPU_CASES = {
+    "decode_gqa_page16": Case(page_size=16, lengths=(1000, 17, 2500, 0), heads=(32, 8),
+                              head_dim=128),
+    "decode_gqa_contiguous_sinks": Case(lengths=(3000, 64, 700), heads=(32, 8), head_dim=128,
+                                        sink=True),
+    "multi_token_gqa_page64": Case(page_size=64, lengths=(1500, 900), seqlen_q=8, seqlen_new=8,
+                                   heads=(64, 8), head_dim=128),
+    "chunked_prefill_page1_window": Case(page_size=1, lengths=(300, 40), seqlen_q=16,
+                                         seqlen_new=16, heads=(8, 1), head_dim=64,
+                                         window=(128, 0), softcap=30.0),
+    "rotary_leftpad_d256": Case(lengths=(500, 90), leftpad=(33, 0), seqlen_q=4, seqlen_new=4,
+                                heads=(8, 2), head_dim=256, rotary="neox"),
+    "page256_alibi_padding_slot": Case(page_size=256, lengths=(600, -1, 1200), heads=(16, 4),
+                                       head_dim=128, alibi="batch"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_gpu_matches_oracle(flash_attn, name, dtype):
+    run_case(flash_attn, dataclasses.replace(GPU_CASES[name], dtype=dtype), device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size, num_splits", [(None, 0), (16, 0), (16, 4)])
+def test_gpu_cuda_graph_replays_decode_steps(flash_attn, page_size, num_splits):
+    """A decode step (append one token per sequence, attend) captured once and replayed with new
+    tokens and lengths written into the captured tensors, checked against the oracle at every
+    step; one batch slot stays a padding slot (cache_seqlens -1), as transformers pads."""
+    steps = 3
+    case = Case(page_size=page_size, lengths=(100, 37, 250, -1), seqlen_new=steps,
+                heads=(32, 8), head_dim=128, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    args, _ = build(case, "cuda")  # capacity for `steps` appended tokens
+    q = torch.empty_like(args["q"])
+    k = torch.empty_like(args["k"][:, :1])
+    v = torch.empty_like(k)
+    seqlens = args["cache_seqlens"].clone()
+    call = dict(k_cache=args["k_cache"], v_cache=args["v_cache"], cache_seqlens=seqlens,
+                block_table=args.get("block_table"), causal=True, num_splits=num_splits)
+    for t in (q, k, v):
+        t.normal_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flash_attn.flash_attn_with_kvcache(q, k=k, v=v, **call)  # compiles the kernels
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn.flash_attn_with_kvcache(q, k=k, v=v, **call)
+    for step in range(steps):
+        for t in (q, k, v):
+            t.normal_()
+        lengths = torch.tensor(case.lengths, dtype=torch.int32, device="cuda")
+        seqlens.copy_(torch.where(lengths >= 0, lengths + step, lengths))
+        before = {name: call[name].clone() for name in ("k_cache", "v_cache")}
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_args = dict(q=q, k=k, v=v, **{**call, **before})
+        ref_args.pop("num_splits")
+        ref64 = kvcache_reference(**ref_args)
+        lowp = kvcache_reference(**ref_args, dtype=case.dtype)
+        assert_close_to_reference(f"out, step {step}", out, ref64["out"], lowp["out"])
+        for b, n in enumerate(seqlens.tolist()):
+            if n < 0:
+                continue
+            where = ((args["block_table"][b, n // page_size].item(), n % page_size) if page_size
+                     else (b, n))
+            assert torch.equal(call["k_cache"][where], k[b, 0])
+            assert torch.equal(call["v_cache"][where], v[b, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_gpu_unchecked_call_never_syncs(flash_attn, monkeypatch, page_size):
+    """With the value checks off (as under graph capture), a call performs no host
+    synchronisation: no ``.item()``, no device-to-host copy, no value-sized allocation."""
+    monkeypatch.setenv("FLASH_ATTN_HUB_CHECK_VALUES", "0")
+    case = Case(page_size=page_size, lengths=(100, 3), seqlen_q=4, seqlen_new=4, heads=(16, 4),
+                head_dim=128, dtype=torch.bfloat16, rotary="interleaved", sink=True)
+    torch.manual_seed(0)
+    args, _ = build(case, "cuda")
+    for splits in (0, 3):  # compile first (a first launch may sync)
+        flash_attn.flash_attn_with_kvcache(**args, num_splits=splits)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        flash_attn.flash_attn_with_kvcache(**args, num_splits=0)
+        flash_attn.flash_attn_with_kvcache(**args, num_splits=3)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
