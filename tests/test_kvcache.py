@@ -710,7 +710,8 @@ def test_gpu_cuda_graph_replays_decode_steps(flash_attn, page_size, num_splits):
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_gpu_unchecked_call_never_syncs(flash_attn, monkeypatch, page_size):
     """With the value checks off (as under graph capture), a call performs no host
-    synchronisation: no ``.item()``, no device-to-host copy, no value-sized allocation."""
+    synchronisation: no ``.item()``, no device-to-host copy, no value-sized allocation; the
+    paged varlen call neither (its lengths come as ints, as transformers sends them)."""
     monkeypatch.setenv("FLASH_ATTN_HUB_CHECK_VALUES", "0")
     case = Case(page_size=page_size, lengths=(100, 3), seqlen_q=4, seqlen_new=4, heads=(16, 4),
                 head_dim=128, dtype=torch.bfloat16, rotary="interleaved", sink=True)
@@ -719,9 +720,16 @@ def test_gpu_unchecked_call_never_syncs(flash_attn, monkeypatch, page_size):
     for splits in (0, 3):  # compile first (a first launch may sync)
         flash_attn.flash_attn_with_kvcache(**args, num_splits=splits)
     torch.cuda.synchronize()
+    q, k_cache, v_cache, cq, ck, mq, mk, table = build_paged_varlen(
+        [5, 1, 12], [9, 1, 30], page_size=16, dtype=torch.bfloat16, device="cuda")
+    flash_attn.flash_attn_varlen_func(q, k_cache, v_cache, cq, ck, mq, mk, block_table=table,
+                                      causal=True)
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         flash_attn.flash_attn_with_kvcache(**args, num_splits=0)
         flash_attn.flash_attn_with_kvcache(**args, num_splits=3)
+        flash_attn.flash_attn_varlen_func(q, k_cache, v_cache, cq, ck, mq, mk, block_table=table,
+                                          causal=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")

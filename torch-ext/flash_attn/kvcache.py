@@ -226,9 +226,11 @@ def _check_rotary(rotary_cos, rotary_sin, q: Tensor, has_new: bool, capacity: in
 
 def _checking_values(*tensors) -> bool:
     """Whether the value checks run ([Note: value checks])."""
+    if _validate._compiling():
+        return False
     if all(t is None or t.device.type == "cpu" for t in tensors):
         return True
-    if _validate._compiling() or os.environ.get(ENV_CHECK_VALUES, "1") == "0":
+    if os.environ.get(ENV_CHECK_VALUES, "1") == "0":
         return False
     return not torch.cuda.is_current_stream_capturing()
 
@@ -458,8 +460,14 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     cu_seqlens_k[b]`` keys at positions ``0..`` of its pages. Forward only."""
     _check_query(q, 3, "(total_tokens, heads_q, head_dim)")
     capacity, _ = _check_caches(q, k_cache, v_cache, block_table, k_name="k", v_name="v")
-    values_q = _validate._check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q)
+    accepted = "an int32 tensor of shape (batch + 1,)"
+    if not isinstance(cu_seqlens_q, torch.Tensor):
+        _fail(TypeError, "cu_seqlens_q", type(cu_seqlens_q).__name__, accepted)
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 2:
+        _fail(ValueError, "cu_seqlens_q", f"shape {tuple(cu_seqlens_q.shape)}", accepted)
     batch = cu_seqlens_q.shape[0] - 1
+    _index_vector("cu_seqlens_q", cu_seqlens_q, batch + 1, q,
+                  "cumulative query counts, one entry per sequence + 1")
     _index_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, q,
                   "cumulative key counts, one entry per sequence + 1")
     if block_table.shape[0] != batch:
@@ -467,7 +475,6 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
               f"one row per sequence ({batch}, from cu_seqlens_q)")
     max_q = _validate._max_seqlen("max_seqlen_q", max_seqlen_q)
     max_k = _validate._max_seqlen("max_seqlen_k", max_seqlen_k)
-    _validate._check_longest("max_seqlen_q", values_q, max_q)
     dropout_p = _validate._as_float("dropout_p", dropout_p)
     if dropout_p != 0.0:
         _fail(ValueError, "dropout_p", dropout_p, "0.0 with block_table (paged attention has "
@@ -483,7 +490,9 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                       max_seqlen_q=max_q, max_seqlen_k=min(max_k, capacity))
     s_aux = _validate._check_s_aux(s_aux, q)
     alibi_slopes = _validate._check_alibi(alibi_slopes, q, batch)
-    if _checking_values(cu_seqlens_k, block_table) and values_q is not None:
+    if _checking_values(cu_seqlens_q, cu_seqlens_k, block_table):
+        values_q = _validate._check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q)
+        _validate._check_longest("max_seqlen_q", values_q, max_q)
         _check_paged_varlen_values(cu_seqlens_k, block_table, max_k=max_k, capacity=capacity,
                                    page_size=k_cache.shape[1], num_blocks=k_cache.shape[0])
     out, lse = _run(dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,

@@ -19,7 +19,7 @@ Glossary (see also ``common``):
                      ROW_BLOCKS = cdiv(GROUP * Sq, BLOCK_M) programs per (kv head, sequence)
   split              NUM_SPLITS ranges of whole BLOCK_N key blocks per sequence, sized on the
                      device from the sequence's own key count (lengths are never read on the
-                     host); one program per (split, row block, kv head, sequence)
+                     host); one program per (kv head and row block, split, sequence)
   partial            a split's normalised output (fp32, ``(tokens, Hq, NUM_SPLITS, D)``) and
                      its lse in log2 units (``(tokens, Hq, NUM_SPLITS)``, -inf for no key)
 
@@ -181,9 +181,11 @@ def _attend_kernel(
         ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_ROW: tl.constexpr,
         HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
         HAS_ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr):
-    split = tl.program_id(0)
-    kv_head = tl.program_id(1) // row_blocks
-    row_block = tl.program_id(1) % row_blocks
+    # (kv head, row block) on the first axis, which has no 65535 limit: long prefills have many
+    # row blocks.
+    kv_head = tl.program_id(0) // row_blocks
+    row_block = tl.program_id(0) % row_blocks
+    split = tl.program_id(1)
     b = tl.program_id(2)
     b64 = b.to(tl.int64)
     if IS_VARLEN:
@@ -435,7 +437,7 @@ def forward(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cach
     else:
         o_part = lse_part = None
     block_d = block_d_for(head_dim)
-    _attend_kernel[(splits, heads_kv * row_blocks, batch)](
+    _attend_kernel[(heads_kv * row_blocks, splits, batch)](
         q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, cache_batch_idx,
         cu_seqlens_q, cu_seqlens_k, rotary_cos, rotary_sin, alibi_slopes, s_aux, out, lse,
         o_part, lse_part, *q_strides, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
