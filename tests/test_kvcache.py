@@ -70,6 +70,7 @@ class Case:
     sink: bool = False
     alibi: str | None = None  # "heads": (Hq,), "batch": (B, Hq)
     int_seqlens: bool = False  # cache_seqlens passed as an int (all lengths equal)
+    odd_layouts: bool = False  # strided q/k/v/caches, a column-major table, strided seqlens
     dtype: torch.dtype = torch.float16
 
 
@@ -141,7 +142,23 @@ def build(case: Case, device) -> tuple[dict, list]:
         args["alibi_slopes"] = torch.rand(*shape, device=device) * 0.5
     written = [(b, j, locate(b, n + j)) for b, n in enumerate(case.lengths) if n >= 0
                for j in range(new)]
+    if case.odd_layouts:
+        for name in ("q", "k", "v", "k_cache", "v_cache"):
+            if name in args:  # the last D columns of a (.., 2 D) allocation
+                wide = torch.full((*args[name].shape[:-1], 2 * dim), math.nan, **randn)
+                wide[..., dim:] = args[name]
+                args[name] = wide[..., dim:]
+        if "block_table" in args:
+            args["block_table"] = args["block_table"].t().contiguous().t()
+        if isinstance(args["cache_seqlens"], torch.Tensor):
+            args["cache_seqlens"] = args["cache_seqlens"].repeat_interleave(2)[::2]
     return args, written
+
+
+def _copy_layout(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its strides (``clone`` makes non-dense views contiguous)."""
+    copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return copy.copy_(t)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -175,7 +192,7 @@ def run_case(fa, case: Case, device="cpu", seed=0, **call) -> None:
     extra keywords such as ``num_splits``) and checks out, lse and the caches."""
     torch.manual_seed(seed)
     args, written = build(case, device)
-    caches = (args["k_cache"].clone(), args["v_cache"].clone())
+    caches = (_copy_layout(args["k_cache"]), _copy_layout(args["v_cache"]))
     out, lse = fa.flash_attn_with_kvcache(**{**args, "k_cache": caches[0], "v_cache": caches[1]},
                                           return_softmax_lse=True, **call)
     ref64 = kvcache_reference(**args)
@@ -217,13 +234,19 @@ CASES = {
                                   rotary="neox", causal=False, window=(4, 1)),
     "int_cache_seqlens": Case(page_size=5, lengths=(6, 6), int_seqlens=True, seqlen_new=2),
     "head_dim_72": Case(head_dim=72, lengths=(5, 2)),
+    "odd_layouts_paged": Case(page_size=8, lengths=(9, 20), seqlen_q=2, seqlen_new=2,
+                              rotary="interleaved", odd_layouts=True),
+    "odd_layouts_contiguous": Case(lengths=(6, 3, 8), leftpad=(1, 0, 3), batch_idx=True,
+                                   odd_layouts=True),
+    "empty_query_appends": Case(page_size=4, lengths=(3, 6), seqlen_q=0, seqlen_new=2),
 }
 # The Triton subset (the interpreter is slow): every page-size branch, GQA/MQA, Sq > 1 across
 # packed-row blocks, band edges, sinks, ALiBi, rotary, leftpad, batch index, padding slots.
 TRITON_CASES = ["contiguous_gqa", "page1_mqa", "page16_append_crosses_page", "page64_sq16",
                 "page256", "empty_caches_with_new", "empty_caches_no_new_sink", "padding_slot",
                 "window_softcap", "sinks_alibi", "leftpad_paged", "cache_batch_idx",
-                "rotary_interleaved_causal", "rotary_neox_partial_not_causal", "head_dim_72"]
+                "rotary_interleaved_causal", "rotary_neox_partial_not_causal", "head_dim_72",
+                "odd_layouts_paged", "odd_layouts_contiguous", "empty_query_appends"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -425,6 +425,8 @@ def kvcache_forward(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_s
             if k is not None:
                 _append(k_cache, v_cache, k, v, lengths=lengths, rows=rows, table=table,
                         page_size=k_cache.shape[1])
+            if seqlen_q == 0:
+                return
             spans = [range(starts[b], n + seqlen_new) if n >= 0 else range(0)
                      for b, n in enumerate(lengths)]
             q_packed = q.reshape(batch * seqlen_q, heads_q, head_dim)

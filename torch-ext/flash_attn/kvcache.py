@@ -141,7 +141,8 @@ def _last_stride_one(name: str, t: Tensor) -> None:
 
 
 def _index_vector(name: str, t, batch: int, q: Tensor, what: str) -> Optional[Tensor]:
-    """None, or an int32 ``(batch,)`` tensor on q's device."""
+    """None, or an int32 ``(batch,)`` tensor on q's device (made contiguous: kernels read it
+    with unit stride)."""
     if t is None:
         return None
     accepted = f"None or an int32 tensor of shape ({batch},): {what}"
@@ -152,7 +153,14 @@ def _index_vector(name: str, t, batch: int, q: Tensor, what: str) -> Optional[Te
     if tuple(t.shape) != (batch,):
         _fail(ValueError, name, f"shape {tuple(t.shape)}", accepted)
     _same_device(name, t, q)
-    return t
+    return t.contiguous()
+
+
+def _unit_stride_rows(block_table):
+    """The block table with a unit stride along each row (the kernels' layout)."""
+    if block_table is None or block_table.stride(-1) == 1:
+        return block_table
+    return block_table.contiguous()
 
 
 def _check_caches(q: Tensor, k_cache, v_cache, block_table, *, k_name: str, v_name: str):
@@ -420,6 +428,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if paged and block_table.shape[0] != batch:
         _fail(ValueError, "block_table", f"{block_table.shape[0]} rows",
               f"one row per sequence of q ({batch})")
+    block_table = _unit_stride_rows(block_table)
     seqlen_new = _check_new(k, v, q, k_cache)
     _check_rotary(rotary_cos, rotary_sin, q, k is not None, capacity)
     cache_seqlens = _cache_seqlens(cache_seqlens, q, capacity)
@@ -466,13 +475,14 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 2:
         _fail(ValueError, "cu_seqlens_q", f"shape {tuple(cu_seqlens_q.shape)}", accepted)
     batch = cu_seqlens_q.shape[0] - 1
-    _index_vector("cu_seqlens_q", cu_seqlens_q, batch + 1, q,
-                  "cumulative query counts, one entry per sequence + 1")
-    _index_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, q,
-                  "cumulative key counts, one entry per sequence + 1")
+    cu_seqlens_q = _index_vector("cu_seqlens_q", cu_seqlens_q, batch + 1, q,
+                                 "cumulative query counts, one entry per sequence + 1")
+    cu_seqlens_k = _index_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, q,
+                                 "cumulative key counts, one entry per sequence + 1")
     if block_table.shape[0] != batch:
         _fail(ValueError, "block_table", f"{block_table.shape[0]} rows",
               f"one row per sequence ({batch}, from cu_seqlens_q)")
+    block_table = _unit_stride_rows(block_table)
     max_q = _validate._max_seqlen("max_seqlen_q", max_seqlen_q)
     max_k = _validate._max_seqlen("max_seqlen_k", max_seqlen_k)
     dropout_p = _validate._as_float("dropout_p", dropout_p)
