@@ -186,3 +186,118 @@ def assert_close_to_reference(name: str, ours: torch.Tensor, ref64: torch.Tensor
     limit = factor * torch_err + floor
     assert ours_err <= limit, (
         f"{name}: error {ours_err:.3e} exceeds {factor} x torch's own {torch_err:.3e} + {floor:g}")
+
+
+# -- KV caches (flash_attn_with_kvcache, paged varlen) ------------------------------------------
+#
+# The cache is read the obvious way: each sequence's logical keys are gathered position by
+# position (through its block-table row when paged), the new keys (rotated) appended after them,
+# and the result goes through `attention_reference`. Nothing here writes a cache.
+
+def rotary_reference(x, cos, sin, positions, *, interleaved: bool, dtype=torch.float64):
+    """``x`` ``(S, H, D)`` rotated at ``positions`` ``(S,)``, computed in ``dtype``: pairs
+    ``(2i, 2i + 1)`` when ``interleaved``, else ``(i, i + rotary_dim / 2)``, each turned by the
+    angle whose cosine and sine are ``cos[p, i]``, ``sin[p, i]``; dims past ``rotary_dim =
+    2 * cos.shape[1]`` are unchanged."""
+    half = cos.shape[1]
+    c = cos.to(dtype)[positions][:, None, :]
+    s = sin.to(dtype)[positions][:, None, :]
+    x = x.to(dtype)
+    if interleaved:
+        x1, x2 = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        turned = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
+    else:
+        x1, x2 = x[..., :half], x[..., half:2 * half]
+        turned = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+    return torch.cat([turned, x[..., 2 * half:]], dim=-1)
+
+
+def cache_rows(cache, start: int, end: int, *, row=None, pages=None):
+    """Logical positions ``[start, end)`` of one sequence as ``(end - start, Hkv, D)``: rows of
+    ``cache[row]`` (contiguous cache), or gathered from the blocks ``pages`` (a list, the
+    sequence's block-table row) of a paged cache."""
+    if pages is None:
+        return cache[row, start:end]
+    size = cache.shape[1]
+    rows = [cache[pages[n // size], n % size] for n in range(start, end)]
+    return torch.stack(rows) if rows else cache.new_empty((0, *cache.shape[2:]))
+
+
+def kvcache_reference(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None,
+                      cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                      block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                      softcap=0.0, rotary_interleaved=True, alibi_slopes=None, s_aux=None,
+                      dtype=torch.float64):
+    """``flash_attn_with_kvcache`` in ``dtype``: a dict with ``out`` ``(B, Sq, Hq, D)``, ``lse``
+    ``(B, Hq, Sq)`` and, with new keys, ``k_new``/``v_new`` ``(B, Sk_new, Hkv, D)``: what the
+    call must write at cache positions ``cache_seqlens[b] + j`` (k rotated), in ``dtype``.
+
+    Sequence ``b`` attends to cache positions ``[cache_leftpad[b], cache_seqlens[b])`` of its
+    cache row (``cache_batch_idx[b]`` or ``b``) or of its pages (``block_table[b]``), then to its
+    new keys; ``cache_seqlens[b] == -1`` is a padding slot that sees no key. Rotary: new key
+    ``j`` at position ``cache_seqlens[b] + j``; query row ``i`` at ``cache_seqlens[b] + i`` when
+    causal or local, else at ``cache_seqlens[b]``. ``cache_seqlens`` may be an int; None means
+    the whole cache."""
+    batch, seqlen_q = q.shape[:2]
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    if cache_seqlens is None:
+        cache_seqlens = capacity
+    lengths = ([cache_seqlens] * batch if isinstance(cache_seqlens, int)
+               else cache_seqlens.tolist())
+    starts = [0] * batch if cache_leftpad is None else cache_leftpad.tolist()
+    rows = list(range(batch)) if cache_batch_idx is None else cache_batch_idx.tolist()
+    local = causal or window_size[0] >= 0 or window_size[1] >= 0
+    rotate = dict(interleaved=rotary_interleaved, dtype=dtype)
+    outs, lses, k_news, v_news = [], [], [], []
+    for b in range(batch):
+        n = lengths[b]
+        where = dict(pages=block_table[b].tolist()) if paged else dict(row=rows[b])
+        qb = q[b].to(dtype)
+        if n < 0:  # a padding slot: no key at all
+            keys = values = k_cache.new_empty((0, *k_cache.shape[2:])).to(dtype)
+        else:
+            keys = cache_rows(k_cache, starts[b], n, **where).to(dtype)
+            values = cache_rows(v_cache, starts[b], n, **where).to(dtype)
+        if k is not None:
+            new_k, new_v = k[b].to(dtype), v[b].to(dtype)
+            position = max(n, 0)
+            if rotary_cos is not None:
+                new_k = rotary_reference(k[b], rotary_cos, rotary_sin,
+                                         position + torch.arange(k.shape[1]), **rotate)
+                q_pos = position + (torch.arange(seqlen_q) if local
+                                    else torch.zeros(seqlen_q, dtype=torch.int64))
+                qb = rotary_reference(q[b], rotary_cos, rotary_sin, q_pos, **rotate)
+            k_news.append(new_k)
+            v_news.append(new_v)
+            if n >= 0:
+                keys = torch.cat([keys, new_k])
+                values = torch.cat([values, new_v])
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]
+        out, lse = attention_reference(qb[None], keys[None], values[None],
+                                       softmax_scale=softmax_scale, causal=causal,
+                                       window_size=window_size, softcap=softcap,
+                                       alibi_slopes=slopes, s_aux=s_aux, dtype=dtype)
+        outs.append(out[0])
+        lses.append(lse[0])
+    result = {"out": torch.stack(outs), "lse": torch.stack(lses)}
+    if k is not None:
+        result.update(k_new=torch.stack(k_news), v_new=torch.stack(v_news))
+    return result
+
+
+def paged_varlen_reference(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, *,
+                           dtype=torch.float64, **kwargs):
+    """``flash_attn_varlen_func(..., block_table=)``: sequence ``b``'s keys are positions
+    ``[0, cu_seqlens_k[b + 1] - cu_seqlens_k[b])`` of its pages; ``(out, lse)`` as
+    :func:`attention_reference` gives them for the gathered keys. ``kwargs``: its keywords."""
+    lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
+    keys, values = [], []
+    for b, n in enumerate(lengths):
+        pages = block_table[b].tolist()
+        keys.append(cache_rows(k_cache, 0, n, pages=pages))
+        values.append(cache_rows(v_cache, 0, n, pages=pages))
+    return attention_reference(q, torch.cat(keys), torch.cat(values), cu_seqlens_q=cu_seqlens_q,
+                               cu_seqlens_k=cu_seqlens_k, dtype=dtype, **kwargs)

@@ -29,7 +29,7 @@ FUNC_PARAMS = [
 VARLEN_PARAMS = FUNC_PARAMS[:3] + [
     ("cu_seqlens_q", inspect.Parameter.empty), ("cu_seqlens_k", inspect.Parameter.empty),
     ("max_seqlen_q", inspect.Parameter.empty), ("max_seqlen_k", inspect.Parameter.empty),
-] + FUNC_PARAMS[3:]
+] + FUNC_PARAMS[3:] + [("block_table", None)]  # paged prefill, as flash-attn 2 has it
 
 
 def _signature(fn):
@@ -41,7 +41,8 @@ def _signature(fn):
 
 @pytest.mark.kernels_ci
 def test_exports(flash_attn):
-    assert sorted(flash_attn.__all__) == ["flash_attn_func", "flash_attn_varlen_func"]
+    assert sorted(flash_attn.__all__) == ["flash_attn_func", "flash_attn_varlen_func",
+                                          "flash_attn_with_kvcache"]
     for name in flash_attn.__all__:
         assert callable(getattr(flash_attn, name))
 
@@ -551,9 +552,8 @@ def test_transformers_sees_every_supported_keyword(flash_attn):
     supports = utils._lazy_define_process_function(
         flash_attn.flash_attn_varlen_func).keywords["supports_mapping"]
     for name in ("dropout_p", "window_size", "softcap", "deterministic", "s_aux",
-                 "max_seqlen_q", "max_seqlen_k"):
+                 "max_seqlen_q", "max_seqlen_k", "block_table"):
         assert supports[name], name
-    assert not supports["block_table"]
 
 
 @pytest.mark.kernels_ci

@@ -36,6 +36,7 @@ identical run to run whatever ``params.deterministic`` says.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -333,3 +334,112 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
                                     dv[None, k0:k1], ds_aux_acc)
         if ds_aux is not None:
             ds_aux.copy_(ds_aux_acc)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV caches (``flash_attn_with_kvcache``, paged ``flash_attn_varlen_func``): the reference
+# semantics in torch ops. New keys are rotated and written in place, each sequence's logical
+# keys gathered from its cache row or pages into one packed tensor, and the packed call runs
+# through :func:`forward` (varlen) above. Reads the index vectors' values: the slow, obvious
+# path, for CPU users and tests (on a GPU, ``FLASH_ATTN_HUB_BACKEND=cpu`` only).
+# ---------------------------------------------------------------------------------------------
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+           interleaved: bool) -> torch.Tensor:
+    """``x`` ``(.., S, H, D)`` rotated at ``positions`` ``(.., S)`` (int64), computed in float32
+    and rounded to x's dtype; dims past ``rotary_dim = 2 * cos.shape[1]`` unchanged."""
+    half = cos.shape[1]
+    c = cos[positions].to(torch.float32).unsqueeze(-2)
+    s = sin[positions].to(torch.float32).unsqueeze(-2)
+    xr = x[..., :2 * half].to(torch.float32)
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        turned = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+        turned = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+    return torch.cat([turned.to(x.dtype), x[..., 2 * half:]], dim=-1)
+
+
+def _cache_index(spans, *, block_table, rows, page_size: int, device):
+    """``(blocks, slots)`` int64 index vectors of the cache positions ``spans[b]`` of every
+    sequence, concatenated: ``(block_table[b][n // page_size], n % page_size)`` for a paged
+    cache (``block_table`` a list of rows), ``(rows[b], n)`` for a contiguous one."""
+    blocks, slots = [], []
+    for b, span in enumerate(spans):
+        for n in span:
+            if block_table is None:
+                blocks.append(rows[b])
+                slots.append(n)
+            else:
+                blocks.append(block_table[b][n // page_size])
+                slots.append(n % page_size)
+    return (torch.tensor(blocks, dtype=torch.int64, device=device),
+            torch.tensor(slots, dtype=torch.int64, device=device))
+
+
+def _append(k_cache, v_cache, k, v, *, lengths, rows, table, page_size) -> None:
+    """Writes new keys/values at positions ``lengths[b]..`` of every sequence but the padding
+    slots (``lengths[b] < 0``)."""
+    active = [b for b, n in enumerate(lengths) if n >= 0]
+    if not active or k.shape[1] == 0:
+        return
+    spans = [range(lengths[b], lengths[b] + k.shape[1]) for b in active]
+    index = _cache_index(spans, rows=[rows[b] for b in active], page_size=page_size,
+                         block_table=None if table is None else [table[b] for b in active],
+                         device=k_cache.device)
+    k_cache[index] = k[active].flatten(0, 1)
+    v_cache[index] = v[active].flatten(0, 1)
+
+
+def kvcache_forward(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin,
+                    cache_seqlens, cache_batch_idx, cache_leftpad, block_table, cu_seqlens_q,
+                    cu_seqlens_k, alibi_slopes, s_aux, params) -> None:
+    """Writes ``out`` (like q) and ``lse`` (float32 ``(B, Hq, Sq)``, or ``(Hq, Tq)`` varlen)
+    after appending ``k``/``v`` to the caches in place (``kvcache`` module notes: positions,
+    padding slots, rotary). Inputs are validated by the caller."""
+    with torch.no_grad():
+        dev = k_cache.device
+        table = None if block_table is None else block_table.tolist()
+        rows = None
+        if cu_seqlens_q is not None:  # paged varlen: keys are positions 0.. of each sequence
+            ck = cu_seqlens_k.tolist()
+            spans = [range(ck[b + 1] - ck[b]) for b in range(len(ck) - 1)]
+            q_packed, cu_q, out_packed, lse_packed = q, cu_seqlens_q, out, lse
+        else:
+            batch, seqlen_q, heads_q, head_dim = q.shape
+            lengths = cache_seqlens.tolist()
+            rows = list(range(batch)) if cache_batch_idx is None else cache_batch_idx.tolist()
+            starts = [0] * batch if cache_leftpad is None else cache_leftpad.tolist()
+            seqlen_new = 0 if k is None else k.shape[1]
+            if rotary_cos is not None:
+                first = cache_seqlens.to(torch.int64).clamp(min=0)[:, None]
+                q_rows = torch.arange(seqlen_q, device=dev) if params.rotary_per_row else 0
+                last = rotary_cos.shape[0] - 1
+                q = rotate(q, rotary_cos, rotary_sin, (first + q_rows).clamp(max=last)
+                           .expand(batch, seqlen_q), params.rotary_interleaved)
+                k = rotate(k, rotary_cos, rotary_sin,
+                           (first + torch.arange(seqlen_new, device=dev)).clamp(max=last),
+                           params.rotary_interleaved)
+            if k is not None:
+                _append(k_cache, v_cache, k, v, lengths=lengths, rows=rows, table=table,
+                        page_size=k_cache.shape[1])
+            if seqlen_q == 0:
+                return
+            spans = [range(starts[b], n + seqlen_new) if n >= 0 else range(0)
+                     for b, n in enumerate(lengths)]
+            q_packed = q.reshape(batch * seqlen_q, heads_q, head_dim)
+            cu_q = torch.arange(0, batch * seqlen_q + 1, seqlen_q, dtype=torch.int32,
+                                device=dev)
+            out_packed = out.view(batch * seqlen_q, heads_q, head_dim)
+            lse_packed = torch.empty(heads_q, batch * seqlen_q, dtype=torch.float32, device=dev)
+        index = _cache_index(spans, block_table=table, rows=rows, page_size=k_cache.shape[1],
+                             device=dev)
+        cu_k = torch.tensor([0, *itertools.accumulate(len(s) for s in spans)],
+                            dtype=torch.int32, device=dev)
+        forward(q_packed, k_cache[index], v_cache[index], out_packed, lse_packed,
+                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, s_aux=s_aux, alibi_slopes=alibi_slopes,
+                params=params.attention())
+        if cu_seqlens_q is None:
+            lse.copy_(lse_packed.view(heads_q, batch, seqlen_q).transpose(0, 1))

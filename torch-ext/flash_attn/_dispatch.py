@@ -21,6 +21,11 @@ asked for, and a Triton forward with few query rows per kv head over many keys r
 split-KV decode (``_triton.decode``, by ``_heuristics.split_kv_applies``). Backends never call
 one another.
 
+KV-cache calls (``flash_attn_with_kvcache``, a paged ``flash_attn_varlen_func``) choose the
+same way between ``_cpu.kvcache_forward`` and ``_triton.kvcache``
+(:func:`select_kvcache_backend`); with ``cuda`` they run on Triton, logged, as no compiled
+kernel reads a KV cache.
+
 Backend modules are imported on first use, so importing the package imports no kernel module
 (and so never touches CUDA or autotuning). Each distinct (direction, backend, reason) is logged
 once on the ``flash_attn`` logger, so a fallback to a slower path is never silent.
@@ -86,11 +91,10 @@ def _interpreting() -> bool:
     return os.environ.get(ENV_INTERPRET, "0") not in ("", "0")
 
 
-def _choose(requested: str, direction: str, q, k, params: AttnParams, features: dict,
-            operands: dict):
-    """``(backend name, reason)``; raises when the requested backend cannot run the call.
-    ``operands``: the tensors besides q and k that the CUDA kernel reads through its copy
-    engine (``v``, and ``dout`` for a backward), by name."""
+def _off_gpu(requested: str, q):
+    """The choice every call shares: ``cpu`` asked for, or tensors not on a CUDA device
+    (``(backend name, reason)``), else None; raises when the requested backend cannot run
+    CPU tensors."""
     if requested == "cpu":
         return "cpu", f"{ENV_BACKEND}=cpu"
     if q.device.type != "cuda":
@@ -102,6 +106,17 @@ def _choose(requested: str, direction: str, q, k, params: AttnParams, features: 
                  f"CPU tensors" if requested == "triton" else "CUDA tensors")
         raise ValueError(f"{ENV_BACKEND}={requested}: got tensors on {q.device}; the "
                          f"{requested} backend needs {needs}")
+    return None
+
+
+def _choose(requested: str, direction: str, q, k, params: AttnParams, features: dict,
+            operands: dict):
+    """``(backend name, reason)``; raises when the requested backend cannot run the call.
+    ``operands``: the tensors besides q and k that the CUDA kernel reads through its copy
+    engine (``v``, and ``dout`` for a backward), by name."""
+    chosen = _off_gpu(requested, q)
+    if chosen is not None:
+        return chosen
     if requested == "triton":
         return "triton", f"{ENV_BACKEND}=triton"
     cuda = _cuda()
@@ -162,4 +177,32 @@ def select_backend(direction: str, q, k, v, params: AttnParams, *, dout=None, va
         logger.info("flash_attn %s on %s: %s backend (%s)", direction, q.device.type, name,
                     reason)
     module, function = _FUNCTIONS[(name, kernel)]
+    return getattr(_import(module), function)
+
+
+# KV-cache calls (``flash_attn_with_kvcache``, paged ``flash_attn_varlen_func``): the CPU
+# backend's ``kvcache_forward`` or the Triton kernel's ``forward``. No compiled CUDA kernel
+# reads a paged cache yet, so ``cuda`` runs them on Triton (logged).
+_KVCACHE = {"cpu": ("_cpu", "kvcache_forward"), "triton": ("_triton.kvcache", "forward")}
+
+
+def _choose_kvcache(requested: str, q):
+    chosen = _off_gpu(requested, q)
+    if chosen is not None:
+        return chosen
+    if requested == "cuda":
+        return "triton", f"{ENV_BACKEND}=cuda; the CUDA backend has no kv-cache kernel"
+    return "triton", f"{ENV_BACKEND}={requested}"
+
+
+def select_kvcache_backend(q, *, paged: bool, varlen: bool):
+    """The function (``kvcache_forward`` of ``_cpu``, ``forward`` of ``_triton.kvcache``) that
+    runs a kv-cache call: the destination-passing contract of ``kvcache._kvcache_body``."""
+    name, reason = _choose_kvcache(requested_backend(), q)
+    kind = "paged varlen" if varlen else "kv-cache paged" if paged else "kv-cache"
+    key = ("kvcache", kind, name, reason, q.device.type)
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("flash_attn %s on %s: %s backend (%s)", kind, q.device.type, name, reason)
+    module, function = _KVCACHE[name]
     return getattr(_import(module), function)

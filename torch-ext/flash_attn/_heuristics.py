@@ -9,7 +9,7 @@ The dispatcher and the backends ask this module; it imports no backend. It holds
   csrc/hopper/generate.py's table), and the CUDA backward's grid (``cuda_backward_ctas``);
 * the dK/dV group split of both backwards (``dkdv_group_splits``, ``cuda_group_splits``);
 * the Triton split-KV decode's rule (``split_applies``, ``split_kv_applies``,
-  ``num_splits_for``);
+  ``num_splits_for``) and the kv-cache attention's splits (``kvcache_splits``);
 * the rules by which ``auto`` runs a call the CUDA backend supports on Triton instead
   (``forward_prefers_triton``, ``backward_prefers_triton``).
 """
@@ -256,3 +256,27 @@ def backward_prefers_triton(q: torch.Tensor, k: torch.Tensor, params: AttnParams
     # no shape in the text: the dispatcher logs each distinct reason once
     return (f"a banded backward with under {SMALL_GRID_WAVES} CTAs per SM is faster on the "
             f"Triton backward")
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton KV-cache attention (``_triton/kvcache.py``)
+# ---------------------------------------------------------------------------------------------
+
+# Not timed yet (the decode rule's reasoning): split each sequence's keys so the grid holds
+# about KVCACHE_PROGRAMS_PER_SM programs per SM, every split at least KVCACHE_MIN_SPLIT_BLOCKS
+# key blocks of the longest possible sequence, as the combine's launch and its pass over the
+# partials must pay for themselves.
+KVCACHE_PROGRAMS_PER_SM = 4
+KVCACHE_MIN_SPLIT_BLOCKS = 4
+KVCACHE_MAX_SPLITS = 64
+
+
+def kvcache_splits(*, batch: int, heads_kv: int, row_blocks: int, max_keys: int, block_n: int,
+                   device: torch.device) -> int:
+    """Key splits of a kv-cache call from its sizes alone (never from lengths on the device,
+    so a captured CUDA graph stays valid): ``batch * heads_kv * row_blocks`` programs without
+    a split; ``max_keys`` bounds any sequence's keys (the cache capacity)."""
+    programs = max(1, batch * heads_kv * row_blocks)
+    wanted = -(-KVCACHE_PROGRAMS_PER_SM * sm_count(device) // programs)
+    by_length = -(-max_keys // (block_n * KVCACHE_MIN_SPLIT_BLOCKS))
+    return max(1, min(wanted, by_length, KVCACHE_MAX_SPLITS))

@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from . import _custom_ops, _validate
+from . import _custom_ops, _validate, kvcache
 
 # Dropout seeds are drawn from [0, 2**63): non-negative, and an int64 for the op schema.
 _SEED_BOUND = 2**63 - 1
@@ -75,7 +75,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, s_aux=None):
+                           return_attn_probs=False, s_aux=None, block_table=None):
     """Attention over packed sequences of different lengths.
 
     Args:
@@ -86,11 +86,23 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         max_seqlen_q, max_seqlen_k: int (or 0-d integer tensor) at least the longest sequence.
         The other arguments are those of :func:`flash_attn_func`; ``alibi_slopes`` may be
         ``(batch, num_heads_q)`` with ``batch = len(cu_seqlens_q) - 1``.
+        block_table: optional int32 ``(batch, max_blocks)`` (paged prefill, forward only): k
+            and v are then paged caches ``(num_blocks, page_size, num_heads_kv, head_dim)``
+            (any page size >= 1) and sequence ``b`` reads its ``cu_seqlens_k[b + 1] -
+            cu_seqlens_k[b]`` keys from positions ``0..`` of its pages ``block_table[b]``.
+            It runs the kv-cache kernels of ``flash_attn_with_kvcache``, which read the pages
+            in place (no gathered copy of K/V); no dropout, no gradient.
 
     Returns:
         ``out`` ``(total_q, num_heads_q, head_dim)`` (contiguous), or
         ``(out, softmax_lse, None)`` with ``softmax_lse`` float32 ``(num_heads_q, total_q)``.
     """
+    if block_table is not None:
+        return kvcache.paged_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            block_table=block_table, dropout_p=dropout_p, softmax_scale=softmax_scale,
+            causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+            deterministic=deterministic, return_attn_probs=return_attn_probs, s_aux=s_aux)
     params, s_aux, alibi_slopes = _validate.varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
