@@ -40,7 +40,6 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "torch-ext" / "flash_attn"
-sys.path.insert(0, str(REPO / "tests"))
 
 TOKENS = 16384  # per batch: B = TOKENS // S (ANCHORS.md)
 

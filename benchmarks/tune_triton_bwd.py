@@ -25,7 +25,7 @@ import sys
 import torch
 
 import _tune_common as tc
-from reference import attention_reference, relative_error
+from flash_attn_hub.reference import attention_reference, relative_error
 
 # head dim -> the (query, kv) heads of the timed shapes; a config is scored by the geo-mean over
 # all of them. D=128 times MHA and GQA 32/8 (the shapes of ANCHORS.md): one entry per bucket

@@ -20,7 +20,7 @@ import sys
 import torch
 
 import _tune_common as tc
-from reference import attention_reference, relative_error
+from flash_attn_hub.reference import attention_reference, relative_error
 
 # head dim -> the (query, kv) heads of the timed shapes; a config is scored by the geo-mean over
 # all of them, so one entry per bucket serves MHA and GQA alike (as in tune_triton_bwd.py).

@@ -8,7 +8,7 @@ Hugging Face cache (``HF_HOME`` in a temporary folder, ``HF_ENDPOINT`` = the Hub
 2. the downloaded variant against its ``metadata.json`` digest (kernels'
    ``Digest.hash_variant`` + ``Digest.validate``: a missing, extra or changed file fails);
 3. GQA forward + backward of ``flash_attn_func`` and ``flash_attn_varlen_func`` on this
-   machine's device against ``tests/reference.py`` with its tolerance rule;
+   machine's device against ``flash_attn_hub/reference.py`` with its tolerance rule;
 4. with ``--transformers``: a tiny random Llama with GQA, ``attn_implementation=
    "<repo>@v<N>"``, whose logits and loss gradient (dense batch, padded batch and packed
    sequences) must match float64 SDPA as closely as bf16 SDPA does.
@@ -19,7 +19,6 @@ Prints the variant and the commit sha it loaded.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
@@ -27,19 +26,7 @@ import tempfile
 from pathlib import Path
 
 from . import DEFAULT_REPO_ID, REPO_ROOT
-
-REFERENCE_PATH = REPO_ROOT / "tests" / "reference.py"
-
-
-def reference():
-    """``tests/reference.py`` (the one oracle), imported from the repository root."""
-    module = sys.modules.get("_flash_attn_hub_reference")
-    if module is None:
-        spec = importlib.util.spec_from_file_location("_flash_attn_hub_reference", REFERENCE_PATH)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return module
+from . import reference as ref  # the one oracle
 
 
 def device_and_dtype():
@@ -82,7 +69,6 @@ def check_attention(module, device=None, dtype=None) -> None:
     """GQA (Hq=6, Hkv=2) causal forward + backward, batched and varlen, against the reference."""
     import torch
 
-    ref = reference()
     if device is None:
         device, dtype = device_and_dtype()
     generator = torch.Generator().manual_seed(0)
@@ -183,7 +169,6 @@ def check_transformers(attn_implementation: str, *, allow_all_kernels: bool = Fa
     the measured errors."""
     import torch
 
-    ref = reference()
     device = device if device is not None else device_and_dtype()[0]
     model = tiny_llama(seed).to(device)
     generator = torch.Generator().manual_seed(seed + 1)
@@ -321,7 +306,6 @@ def check_transformers_training(attn_implementation: str, *, steps: int = 3, seq
     gradients at the same weights. Returns one dict of errors per step."""
     import torch
 
-    ref = reference()
     device = device if device is not None else device_and_dtype()[0]
     model = qwen2_gqa(seed).to(device)
     copies = {"ref": _with_attention(model, "sdpa", torch.float64, False),

@@ -42,7 +42,7 @@ ops = torch.ops.$NAME
 def add_op_namespace_prefix(op_name: str) -> str:
     return f"$NAME::{op_name}"
 PY
-cp tests/test_cuda_fwd.py tests/reference.py "$WORK/tests/"
+cp tests/test_cuda_fwd.py "$WORK/tests/"  # the oracle: flash_attn_hub.reference, from the repository root
 cat > "$WORK/tests/conftest.py" <<PY
 import sys
 import pytest

@@ -1,6 +1,6 @@
 """Helpers shared by the test files: the package from the source tree, fresh random inputs in
 the layouts callers really send, NaN-poisoned destinations for the backends, and comparisons
-against ``tests/reference.py`` under the tolerance rule.
+against ``flash_attn_hub/reference.py`` under the tolerance rule.
 
 Inputs are drawn from the default torch generator: seed it in the test (``torch.manual_seed``)
 for a reproducible case. Layouts of one tensor ``(.., S, H, D)`` (``LAYOUTS``):
@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reference import assert_close_to_reference, attention_reference
+from flash_attn_hub.reference import assert_close_to_reference, attention_reference
 
 GRAD_NAMES = ("dq", "dk", "dv", "ds_aux")
 LAYOUTS = ("contiguous", "transposed", "sliced")

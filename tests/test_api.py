@@ -16,7 +16,7 @@ import torch
 
 from helpers import (assert_matches_reference, cu_seqlens, make_qkv, make_varlen_qkv, run_api,
                      submodule)
-from reference import attention_reference
+from flash_attn_hub.reference import attention_reference
 
 # flash-attn 2 (2.8), in order, plus `s_aux` (sinks, as vllm's flash-attn 3 names it) last.
 FUNC_PARAMS = [
@@ -273,10 +273,8 @@ def test_deterministic_backward_is_bitwise_repeatable(flash_attn):
 
 
 TRITON_THROUGH_API = """
-import sys
 from pathlib import Path
 import kernels, torch
-sys.path.insert(0, {tests!r})
 from helpers import assert_matches_reference, make_qkv, run_api
 m = kernels.get_local_kernel(Path({root!r}))
 torch.manual_seed(0)
@@ -295,10 +293,11 @@ def test_triton_through_the_api_under_the_interpreter(flash_attn):
     if not (variant / "_triton_fwd.py").exists():
         pytest.skip("this build has no Triton forward")
     grad = (variant / "_triton_bwd.py").exists()
-    code = TRITON_THROUGH_API.format(tests=str(Path(__file__).parent),
-                                     root=str(variant.parents[1]), grad=grad)
+    code = TRITON_THROUGH_API.format(root=str(variant.parents[1]), grad=grad)
+    tests = Path(__file__).resolve().parent  # helpers, and the repository root for the oracle
+    path = [str(tests), str(tests.parent)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
     env = {**os.environ, "TRITON_INTERPRET": "1", "FLASH_ATTN_HUB_BACKEND": "triton",
-           "FLASH_ATTN_HUB_POISON": "1"}
+           "FLASH_ATTN_HUB_POISON": "1", "PYTHONPATH": os.pathsep.join(path)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "ok" in done.stdout

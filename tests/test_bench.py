@@ -20,7 +20,7 @@ from flash_attn_hub.bench import markdown, plan, report, runner
 from flash_attn_hub.bench.providers import Ours, Prepared, Sdpa, hub_benchmark, make_providers
 from flash_attn_hub.bench.workloads import (ALL_GRIDS, Workload, attention_flops, grid_names, grid_workloads,
                                             packed_lengths, visible_pairs)
-from reference import attention_reference, visible_mask
+from flash_attn_hub.reference import attention_reference, visible_mask
 
 REQUIRED = ("provider", "workload", "mode", "dtype", "batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv",
             "head_dim", "causal", "ms_p20", "ms_p50", "ms_p80", "tflops", "ratio_to_best_peer", "peak_mem_bytes",

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from helpers import (assert_each_close, assert_matches_reference, built_or_source_package,
                      make_sequences_qkv, random_tensor, reference_kwargs, reference_results,
                      run_backward, run_forward, submodule)
-from reference import dropout_keep_mask
+from flash_attn_hub.reference import dropout_keep_mask
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import torch
 from helpers import (assert_matches_reference, backend_params, make_varlen_qkv, nan_like,
                      needs_sm90, reference_results, run_backward, run_forward, seeded_cuda_qkv,
                      sm90)
-from reference import assert_close_to_reference, attention_reference
+from flash_attn_hub.reference import assert_close_to_reference, attention_reference
 
 
 

@@ -23,7 +23,7 @@ import torch
 
 from helpers import (backend_params, make_qkv, make_varlen_qkv, needs_sm90, seeded_cuda_qkv,
                      sm90)
-from reference import assert_close_to_reference, attention_reference
+from flash_attn_hub.reference import assert_close_to_reference, attention_reference
 
 
 

@@ -35,7 +35,7 @@ import triton.language as tl  # noqa: E402
 from helpers import (SOURCE_PACKAGE, assert_matches_reference,  # noqa: E402
                      built_or_source_package, interpreted, make_qkv, make_varlen_qkv,
                      reference_kwargs, run_forward, submodule, triton_device)
-from reference import dropout_keep_mask, visible_mask  # noqa: E402
+from flash_attn_hub.reference import dropout_keep_mask, visible_mask  # noqa: E402
 
 # The interpreter's own NumPy deprecation warnings, thousands per kernel call.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.runtime.interpreter")

@@ -1,6 +1,6 @@
 """``python -m flash_attn_hub bench``: our kernel against the peers (SDPA flash / cuDNN /
 mem-efficient, FlexAttention, flash-attn 2 and 3 when installed), measured in one process,
-verified against ``tests/reference.py`` first, written to ``benchmarks/results/<run>/``.
+verified against ``flash_attn_hub.reference`` first, written to ``benchmarks/results/<run>/``.
 
     python -m flash_attn_hub bench --grid all              # every table and plot (GPU)
     python -m flash_attn_hub bench --grid all --dry-run    # the estimate, split into commands

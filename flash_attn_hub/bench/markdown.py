@@ -34,7 +34,7 @@ NOTES = """\
   command, so a ratio never mixes two processes.
 - **Verification**: before timing, every provider's output (and, when backward modes run,
   dQ/dK/dV) on a slice (last batch element or longest document, up to 128 trailing query rows,
-  first and last query heads) is compared with `tests/reference.py` in float64: the error
+  first and last query heads) is compared with `flash_attn_hub/reference.py` in float64: the error
   may be at most 2x PyTorch's own error in the same precision. A provider that fails is
   skipped with its reason (listed above).
 - **Peak memory**: `torch.cuda.max_memory_allocated` during one call minus what was allocated

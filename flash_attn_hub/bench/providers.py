@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from .. import REPO_ROOT
+from .. import REPO_ROOT, reference
 from .workloads import Inputs, Workload, visible_pairs
 
 BACKEND_ENV = "FLASH_ATTN_HUB_BACKEND"
@@ -205,9 +205,8 @@ class Sdpa(Provider):
     def prepare(self, w, x):
         mask = None
         if w.windowed:
-            from .verify import reference
-            mask = reference().visible_mask(w.seqlen_q, w.seqlen_k, w.window_left, w.window_size[1],
-                                            x.q.device)
+            mask = reference.visible_mask(w.seqlen_q, w.seqlen_k, w.window_left, w.window_size[1],
+                                          x.q.device)
         to_provider, to_canonical = _identity, _identity
         q, k, v = x.q, x.k, x.v
         if w.varlen:  # right padding keeps the score matrix square: valid queries never see padded keys

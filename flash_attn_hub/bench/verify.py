@@ -1,5 +1,5 @@
-"""Checks every provider's output (and gradients) against ``tests/reference.py`` before
-it is timed, on a cheap slice of the workload.
+"""Checks every provider's output (and gradients) against the oracle
+(``flash_attn_hub.reference``) before it is timed, on a cheap slice of the workload.
 
 [Note] The slice. The oracle is O(S^2) in memory, so it sees one batch element (varlen:
 the longest document), at most ``ROWS`` trailing query rows and the first and last query
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import torch
 
-from ..verify import reference  # tests/reference.py, the one oracle, from the source tree
+from .. import reference as ref
 from .workloads import Workload
 
 ROWS = 128
@@ -80,7 +80,6 @@ class Expected:
 
 def expected(w: Workload, q, k, v, *, with_grads: bool) -> Expected:
     """Run the oracle on the slice of one canonical input set."""
-    ref = reference()
     sl = make_slice(w)
     qs, ks, vs = sl.take_q(q), sl.take_kv(k), sl.take_kv(v)
     gen = torch.Generator(device=q.device).manual_seed(1234)
@@ -102,7 +101,6 @@ def expected(w: Workload, q, k, v, *, with_grads: bool) -> Expected:
 def check(name: str, got: dict[str, torch.Tensor], exp: Expected) -> dict[str, float]:
     """Apply the tolerance rule to every tensor in ``got``; return the relative errors
     against float64, or raise :class:`VerificationError` naming the tensor."""
-    ref = reference()
     errors = {}
     for key, value in got.items():
         try:

@@ -92,7 +92,7 @@ class Workload:
 
 def visible_pairs(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int) -> int:
     """Exact count of visible (query, key) pairs with the bottom-right aligned band of
-    ``tests/reference.visible_mask``: key j is visible from query i iff
+    ``flash_attn_hub.reference.visible_mask``: key j is visible from query i iff
     ``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` (a negative side is unbounded)."""
     if seqlen_q == 0 or seqlen_k == 0:
         return 0

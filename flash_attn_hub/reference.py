@@ -1,5 +1,6 @@
-"""The one attention oracle. Every test, the benchmark's verification and the
-Triton/CUDA cross-checks import it; nobody writes a second one.
+"""The one attention oracle. Every test, the benchmark's verification, the Triton tuning
+checks and ``python -m flash_attn_hub verify`` import it as a module
+(``from flash_attn_hub.reference import ...``); nobody writes a second one.
 
 It computes attention the slow, obvious way (the full score matrix, one
 sequence at a time) in float64 by default, with every feature the package
