@@ -53,8 +53,11 @@ def _signature(fn):
 @pytest.mark.kernels_ci
 def test_exports(flash_attn):
     assert sorted(flash_attn.__all__) == sorted(SIGNATURES)
+    interface = flash_attn.flash_attn_interface  # an attribute, as diffusers reads it
+    assert sorted(interface.__all__) == sorted(SIGNATURES)
     for name in flash_attn.__all__:
         assert callable(getattr(flash_attn, name))
+        assert getattr(interface, name) is getattr(flash_attn, name)
 
 
 @pytest.mark.kernels_ci

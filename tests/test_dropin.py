@@ -1,9 +1,9 @@
 """What flash-attn 2.8.3 accepts, accepted here with its semantics: head dims that are not a
 multiple of 8, any last stride, scalars as numpy or 0-d tensors, ``window_size`` as any pair,
 ``softcap <= 0`` as off, the qkv/kv-packed entry points, the dropout-encoded probabilities of
-``return_attn_probs`` and the ``+inf`` lse of rows that see no key. On CPU against the float64
-oracle (tolerance rule, NaN-poisoned outputs), and once through the Triton kernels under the
-interpreter."""
+``return_attn_probs``, the ``+inf`` lse of rows that see no key, and the private
+``flash_attn_interface`` wrappers. On CPU against the float64 oracle (tolerance rule, NaN-poisoned
+outputs), and once through the Triton kernels under the interpreter."""
 
 from __future__ import annotations
 
@@ -310,6 +310,60 @@ def test_attn_probs_size_limit(flash_attn, monkeypatch):
     q, k, v = make_qkv(1, 4096, 4096, 2, 2, 8)
     with pytest.raises(ValueError, match=r"^return_attn_probs: got a 33554432-entry"):
         flash_attn.flash_attn_func(q, k, v, dropout_p=0.1, return_attn_probs=True)
+
+
+# -- flash_attn_interface: the private wrappers -----------------------------------------------
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("head_dim, dropout_p", [(32, 0.0), (59, 0.2)])
+def test_private_forward_backward(flash_attn, head_dim, dropout_p):
+    """The wrappers as diffusers drives them (its own autograd over the two), against the public
+    function with the same seed."""
+    fai = flash_attn.flash_attn_interface
+    torch.manual_seed(15)
+    q, k, v = make_qkv(2, 10, 12, 4, 2, head_dim, transposed=True)
+    scale = head_dim ** -0.5
+    torch.manual_seed(16)
+    out, lse, s_dmask, rng_state = fai._wrapped_flash_attn_forward(
+        q, k, v, dropout_p, scale, True, 5, -1, 0.0, None, False)
+    assert out.shape == q.shape and not out.requires_grad and s_dmask.numel() == 0
+    assert rng_state.dtype == torch.int64 and rng_state.shape == (2,)
+    dout = torch.randn_like(out)
+    grads = {name: torch.full_like(t, math.nan) for name, t in zip(("dq", "dk", "dv"), (q, k, v))}
+    softmax_d = fai._wrapped_flash_attn_backward(
+        dout, q, k, v, out, lse, grads["dq"], grads["dk"], grads["dv"], dropout_p, scale, True,
+        5, -1, 0.0, None, False, rng_state)
+    torch.testing.assert_close(softmax_d, (dout.float() * out.float()).sum(-1).transpose(1, 2))
+
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    torch.manual_seed(16)
+    ref_out, ref_lse, _ = flash_attn.flash_attn_func(*leaves, dropout_p=dropout_p, causal=True,
+                                                     window_size=(5, -1), return_attn_probs=True)
+    ref_grads = torch.autograd.grad(ref_out, leaves, dout)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    for (name, ours), ref in zip(grads.items(), ref_grads):
+        assert torch.equal(ours, ref), name
+
+
+@pytest.mark.kernels_ci
+def test_private_wrappers_dropout_matrix_and_rng_state(flash_attn):
+    fai = flash_attn.flash_attn_interface
+    torch.manual_seed(17)
+    q, k, v = make_qkv(1, 5, 6, 2, 2, 16)
+    torch.manual_seed(18)
+    _, lse, s_dmask, rng_state = fai._flash_attn_forward(q, k, v, 0.4, 0.25, False, -1, -1, 0.0,
+                                                         None, True)
+    torch.manual_seed(18)
+    _, _, public = flash_attn.flash_attn_func(q, k, v, dropout_p=0.4, softmax_scale=0.25,
+                                              return_attn_probs=True)
+    assert torch.equal(s_dmask, public) and int(rng_state[0]) == _drawn_seed(18)
+    out = torch.zeros_like(q)
+    with pytest.raises(ValueError, match="^rng_state: got None"):
+        fai._flash_attn_backward(out, q, k, v, out, lse, None, None, None, 0.4, 0.25, False, -1,
+                                 -1, 0.0, None, False)
+    with pytest.raises(ValueError, match="^dq: got"):
+        fai._flash_attn_backward(out, q, k, v, out, lse, torch.zeros(3), None, None, 0.0, 0.25,
+                                 False, -1, -1, 0.0, None, False)
 
 
 # -- the Triton kernels under the interpreter --------------------------------------------------

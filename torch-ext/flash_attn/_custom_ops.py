@@ -205,3 +205,13 @@ def attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slopes,
                                        for t in (q, k, v, s_aux)):
         return _Attention.apply(*inputs, *param_values)
     return _fwd_body(*inputs, *param_values)
+
+
+def gradients(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slopes,
+              params: AttnParams):
+    """``(dq, dk, dv, ds_aux)`` of a forward that returned ``out``/``lse``, outside autograd
+    (flash-attn 2's low-level backward wrapper): the op, or its body for a direct call."""
+    param_values = tuple(getattr(params, name) for name in PARAM_FIELDS)
+    inputs = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slopes)
+    bwd_fn = _bwd_body if _direct(inputs) else bwd
+    return bwd_fn(*inputs, *param_values)
