@@ -98,13 +98,21 @@ def _require(ok, exc, name: str, given, accepted: str) -> None:
     torch._check(ok)
 
 
+@torch.compiler.disable
+def _host_float(t: torch.Tensor) -> float:
+    """``float(t)`` outside any graph: the ops take Python floats, and a float read inside a
+    graph would be a symbol they cannot take, so a compiled caller breaks the graph here and
+    resumes with a constant."""
+    return float(t)
+
+
 def _item(name: str, value, accepted: str, *, integral: bool):
     """``value`` as a Python number when it is a 0-d tensor or a 0-d array (numpy), else as is."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 0 or value.dtype == torch.bool or value.is_complex() or (
                 integral and value.dtype.is_floating_point):
             _fail(TypeError, name, _describe(value), accepted)
-        return int(value) if integral else float(value)
+        return int(value) if integral else _host_float(value)
     if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
         return value.item()  # a numpy scalar or 0-d array
     return value
@@ -129,6 +137,8 @@ def _as_int(name: str, value):
         return value
     accepted = "an int"
     value = _item(name, value, accepted, integral=True)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value  # possibly symbolic: read from a 0-d tensor inside a trace
     if isinstance(value, (bool, torch.Tensor)):
         _fail(TypeError, name, f"{type(value).__name__} {value!r}", accepted)
     try:
@@ -159,8 +169,9 @@ def _finite(value):
 
 def _window(window_size, causal: bool) -> tuple:
     """``(left, right)`` from any pair: a tuple or list, or a tensor or array of two integers
-    (flash-attn 2 indexes it). A tensor's values are read on the host (under torch.compile: a
-    graph break, or with ``capture_scalar_outputs`` symbolic ints, see docs/compile.md)."""
+    (flash-attn 2 indexes it). A tensor's values are read on the host (a device-to-host copy
+    for a CUDA tensor); inside a torch.compile graph ``.tolist()`` gives symbolic ints read at
+    run time, so new values need no recompilation (docs/compile.md)."""
     accepted = "a pair (left, right) of ints"
     if isinstance(window_size, torch.Tensor) or (
             hasattr(window_size, "tolist") and hasattr(window_size, "shape")):
