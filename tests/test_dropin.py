@@ -273,9 +273,9 @@ def test_attn_probs_with_dropout_batched(flash_attn):
     assert torch.equal(torch.signbit(s_dmask), _reference_dropped(seed, 2, 4, 17, 23, 0.3))
     # The encoded matrix reproduces the output: kept probabilities, rescaled, times V.
     vh = v.repeat_interleave(2, dim=2).permute(0, 2, 1, 3).to(torch.float64)
-    rebuilt = (s_dmask.to(torch.float64).clamp(min=0) / 0.7) @ vh
-    torch.testing.assert_close(rebuilt.permute(0, 2, 1, 3), out.to(torch.float64),
-                               atol=2e-3, rtol=2e-3)
+    rebuilt = ((s_dmask.to(torch.float64).clamp(min=0) / 0.7) @ vh).permute(0, 2, 1, 3)
+    assert_matches_reference({"out": rebuilt}, q, k, v, dropout_p=0.3, seed=seed, **kwargs)
+    assert_matches_reference({"out": out}, q, k, v, dropout_p=0.3, seed=seed, **kwargs)
 
 
 def test_attn_probs_with_dropout_varlen(flash_attn):
@@ -371,6 +371,7 @@ def test_private_wrappers_dropout_matrix_and_rng_state(flash_attn):
 TRITON_DROPIN = """
 from pathlib import Path
 import kernels, torch
+from flash_attn_hub.reference import dropout_keep_mask
 from helpers import assert_matches_reference, make_qkv, oracle_lse
 m = kernels.get_local_kernel(Path({root!r}))
 torch.manual_seed(0)
@@ -382,13 +383,23 @@ dout = torch.randn_like(out)
 q, k, v = qkv.unbind(2)
 ours = dict(out=out, lse=oracle_lse(lse), dq=dqkv[:, :, 0], dk=dqkv[:, :, 1], dv=dqkv[:, :, 2])
 assert_matches_reference(ours, q, k, v, dout=dout, causal=True, window_size=(7, 7))
+# Dropout: the kernel's mask is the one the probability matrix reports.
+q, k, v = make_qkv(1, 9, 11, 2, 1, 59)
+torch.manual_seed(5)
+seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+torch.manual_seed(5)
+out, _, s_dmask = m.flash_attn_func(q, k, v, dropout_p=0.3, causal=True, return_attn_probs=True)
+assert_matches_reference(dict(out=out), q, k, v, dropout_p=0.3, seed=seed, causal=True)
+dropped = ~torch.stack([dropout_keep_mask(seed, 0, h, 2, 9, 11, 0.3) for h in range(2)])
+assert torch.equal(torch.signbit(s_dmask[0]), dropped)
 print("ok")
 """
 
 
 def test_triton_padded_packed_under_the_interpreter(flash_attn):
     """Head dim 59 (padded to 64), qkv-packed, a tensor window: forward and backward through the
-    Triton kernels (fp16; a fresh interpreter, as TRITON_INTERPRET=1 must precede the import)."""
+    Triton kernels; with dropout, the kernel's mask is the one ``S_dmask`` reports (fp16; a
+    fresh interpreter, as TRITON_INTERPRET=1 must precede the import)."""
     pytest.importorskip("triton")
     code = TRITON_DROPIN.format(root=str(Path(flash_attn.__file__).parents[2]))
     tests = Path(__file__).resolve().parent
