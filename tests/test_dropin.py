@@ -410,3 +410,49 @@ def test_triton_padded_packed_under_the_interpreter(flash_attn):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "ok" in done.stdout
+
+
+# -- on the GPU: the compiled and Triton kernels behind the same layer ---------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [59, 111])
+def test_padded_and_packed_on_the_gpu(flash_attn, dtype, head_dim):
+    """Padded head dims through the packed entry points on whichever GPU backend ``auto``
+    picks, forward and backward, against the oracle."""
+    torch.manual_seed(head_dim)
+    qkv = torch.randn(2, 257, 3, 4, head_dim, dtype=dtype, device="cuda", requires_grad=True)
+    out, lse, _ = flash_attn.flash_attn_qkvpacked_func(qkv, causal=True, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    (dqkv,) = torch.autograd.grad(out, (qkv,), dout)
+    q, k, v = qkv.unbind(2)
+    assert_matches_reference({"out": out, "lse": oracle_lse(lse), "dq": dqkv[:, :, 0],
+                              "dk": dqkv[:, :, 1], "dv": dqkv[:, :, 2]}, q, k, v, dout=dout,
+                             causal=True, label="qkvpacked")
+
+    lengths_q, lengths_k = [1, 200, 77], [130, 200, 5]
+    cq, ck = cu_seqlens(lengths_q, "cuda"), cu_seqlens(lengths_k, "cuda")
+    q = torch.randn(sum(lengths_q), 8, head_dim, dtype=dtype, device="cuda", requires_grad=True)
+    kv = torch.randn(sum(lengths_k), 2, 2, head_dim, dtype=dtype, device="cuda",
+                     requires_grad=True)
+    out = flash_attn.flash_attn_varlen_kvpacked_func(q, kv, cq, ck, 200, 200, causal=True,
+                                                     window_size=(63, 0), softcap=10.0)
+    dout = torch.randn_like(out)
+    dq, dkv = torch.autograd.grad(out, (q, kv), dout)
+    k, v = kv.unbind(1)
+    assert_matches_reference({"out": out, "dq": dq, "dk": dkv[:, 0], "dv": dkv[:, 1]}, q, k, v,
+                             dout=dout, causal=True, window_size=(63, 0), softcap=10.0,
+                             cu_seqlens_q=cq, cu_seqlens_k=ck, label="varlen kvpacked")
+
+
+@pytest.mark.gpu
+def test_attn_probs_report_the_gpu_kernels_mask(flash_attn):
+    torch.manual_seed(20)
+    q, k, v = make_qkv(2, 33, 47, 4, 2, 64, dtype=torch.bfloat16, device="cuda")
+    seed = _drawn_seed(21)
+    torch.manual_seed(21)
+    out, _, s_dmask = flash_attn.flash_attn_func(q, k, v, dropout_p=0.2, causal=True,
+                                                 return_attn_probs=True)
+    assert_matches_reference({"out": out}, q, k, v, dropout_p=0.2, seed=seed, causal=True)
+    dropped = _reference_dropped(seed, 2, 4, 33, 47, 0.2).to("cuda")
+    assert torch.equal(torch.signbit(s_dmask), dropped)
