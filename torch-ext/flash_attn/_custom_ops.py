@@ -3,7 +3,8 @@
 Layers (STYLE.md): backend ``forward``/``backward`` (destination-passing, chosen by
 ``_dispatch``) <- the custom ops ``fwd``/``bwd`` below, which allocate the outputs and call the
 backend <- :func:`attention`, the allocating function the public API calls <- the autograd
-formula registered on ``fwd``, which calls ``bwd``.
+formula registered on ``fwd``, which calls ``bwd``. :func:`gradients` runs ``bwd`` alone, for
+``flash_attn_interface``'s low-level backward, which callers drive from their own autograd.
 
 The ops take :class:`AttnParams` flattened into plain ints/floats/bools (a custom op's schema
 cannot hold a dataclass), in the dataclass's field order, after the tensors.
