@@ -254,13 +254,22 @@ def assert_matches_reference(ours: dict, q, k, v, *, dout=None, s_aux=None, labe
                       reference_results(q, k, v, dtype=q.dtype, **common), label=label)
 
 
+def oracle_lse(lse: torch.Tensor) -> torch.Tensor:
+    """An lse the API returned in the oracle's convention: the API reports a row that sees no
+    key with flash-attn 2's ``+inf``, the oracle with ``log(0) = -inf``. The API never returns
+    ``-inf``."""
+    assert not torch.isneginf(lse).any(), "the API returned an lse of -inf"
+    return lse.masked_fill(torch.isposinf(lse), -math.inf)
+
+
 def run_api(fn, q, k, v, *args, s_aux=None, **kwargs):
     """Calls an API function with ``return_attn_probs=True`` and, when q requires grad,
     backpropagates a fresh random ``dout``. Returns ``(ours, dout)``: ``ours`` for
-    :func:`assert_matches_reference` (out, lse and the gradients), ``dout`` None without grad."""
+    :func:`assert_matches_reference` (out, lse in the oracle's convention, and the gradients),
+    ``dout`` None without grad."""
     out, lse, probs = fn(q, k, v, *args, s_aux=s_aux, return_attn_probs=True, **kwargs)
-    assert probs is None
-    ours = {"out": out, "lse": lse}
+    assert probs is None or kwargs.get("dropout_p", 0) > 0
+    ours = {"out": out, "lse": oracle_lse(lse)}
     dout = None
     if q.requires_grad:
         dout = torch.randn_like(out)

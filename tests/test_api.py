@@ -30,6 +30,18 @@ VARLEN_PARAMS = FUNC_PARAMS[:3] + [
     ("cu_seqlens_q", inspect.Parameter.empty), ("cu_seqlens_k", inspect.Parameter.empty),
     ("max_seqlen_q", inspect.Parameter.empty), ("max_seqlen_k", inspect.Parameter.empty),
 ] + FUNC_PARAMS[3:] + [("block_table", None)]  # paged prefill, as flash-attn 2 has it
+_QKV = [("qkv", inspect.Parameter.empty)]
+_Q_KV = [("q", inspect.Parameter.empty), ("kv", inspect.Parameter.empty)]
+SIGNATURES = {
+    "flash_attn_func": FUNC_PARAMS,
+    "flash_attn_varlen_func": VARLEN_PARAMS,
+    "flash_attn_qkvpacked_func": _QKV + FUNC_PARAMS[3:],
+    "flash_attn_kvpacked_func": _Q_KV + FUNC_PARAMS[3:],
+    "flash_attn_varlen_qkvpacked_func": _QKV + [
+        ("cu_seqlens", inspect.Parameter.empty), ("max_seqlen", inspect.Parameter.empty),
+    ] + FUNC_PARAMS[3:],
+    "flash_attn_varlen_kvpacked_func": _Q_KV + VARLEN_PARAMS[3:],
+}
 
 
 def _signature(fn):
@@ -41,17 +53,18 @@ def _signature(fn):
 
 @pytest.mark.kernels_ci
 def test_exports(flash_attn):
-    assert sorted(flash_attn.__all__) == ["flash_attn_func", "flash_attn_varlen_func",
-                                          "flash_attn_with_kvcache"]
+    assert sorted(flash_attn.__all__) == sorted([*SIGNATURES, "flash_attn_with_kvcache"])
+    interface = flash_attn.flash_attn_interface  # an attribute, as diffusers reads it
+    assert sorted(interface.__all__) == sorted([*SIGNATURES, "flash_attn_with_kvcache"])
     for name in flash_attn.__all__:
         assert callable(getattr(flash_attn, name))
+        assert getattr(interface, name) is getattr(flash_attn, name)
 
 
 @pytest.mark.kernels_ci
-@pytest.mark.parametrize("name, expected", [("flash_attn_func", FUNC_PARAMS),
-                                            ("flash_attn_varlen_func", VARLEN_PARAMS)])
-def test_signature_is_flash_attn_2(flash_attn, name, expected):
-    assert _signature(getattr(flash_attn, name)) == expected
+@pytest.mark.parametrize("name", list(SIGNATURES))
+def test_signature_is_flash_attn_2(flash_attn, name):
+    assert _signature(getattr(flash_attn, name)) == SIGNATURES[name]
 
 
 def test_import_loads_no_backend(flash_attn):

@@ -3,7 +3,8 @@
 Layers (STYLE.md): backend ``forward``/``backward`` (destination-passing, chosen by
 ``_dispatch``) <- the custom ops ``fwd``/``bwd`` below, which allocate the outputs and call the
 backend <- :func:`attention`, the allocating function the public API calls <- the autograd
-formula registered on ``fwd``, which calls ``bwd``.
+formula registered on ``fwd``, which calls ``bwd``. :func:`gradients` runs ``bwd`` alone, for
+``flash_attn_interface``'s low-level backward, which callers drive from their own autograd.
 
 The ops take :class:`AttnParams` flattened into plain ints/floats/bools (a custom op's schema
 cannot hold a dataclass), in the dataclass's field order, after the tensors.
@@ -206,3 +207,13 @@ def attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slopes,
                                        for t in (q, k, v, s_aux)):
         return _Attention.apply(*inputs, *param_values)
     return _fwd_body(*inputs, *param_values)
+
+
+def gradients(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slopes,
+              params: AttnParams):
+    """``(dq, dk, dv, ds_aux)`` of a forward that returned ``out``/``lse``, outside autograd
+    (flash-attn 2's low-level backward wrapper): the op, or its body for a direct call."""
+    param_values = tuple(getattr(params, name) for name in PARAM_FIELDS)
+    inputs = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, s_aux, alibi_slopes)
+    bwd_fn = _bwd_body if _direct(inputs) else bwd
+    return bwd_fn(*inputs, *param_values)

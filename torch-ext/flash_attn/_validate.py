@@ -2,8 +2,15 @@
 
 Every check runs before any kernel launches and raises ``TypeError`` (wrong kind of value:
 not a tensor, wrong dtype, a float where an int belongs) or ``ValueError`` (right kind, bad
-value: shape, stride, device, range) with a message that names the argument, says what was
-given and what is accepted. Backends never re-validate.
+value: shape, device, range) with a message that names the argument, says what was given and
+what is accepted. Backends never re-validate.
+
+Arguments are accepted the ways flash-attn 2 accepts them: scalars as Python numbers, numpy
+scalars, 0-d tensors or 0-d arrays (converted to Python numbers); ``window_size`` as any pair (a
+tuple, a list, a tensor or array of two integers); a ``softcap <= 0`` as off; any head dim up to
+``MAX_HEAD_DIM`` and any last stride: the public API pads a head dim that is not a multiple of
+``HEAD_DIM_MULTIPLE`` and copies a tensor whose last stride is not 1 (``interface.py``), so
+neither reaches a backend.
 
 [Note: checks that read tensor values] ``cu_seqlens_*`` must start at 0, never decrease, end at
 the token count, and no sequence may be longer than ``max_seqlen_*``; ``max_seqlen_*`` may also
@@ -15,15 +22,27 @@ arrive as a 0-d tensor. These need the values on the host:
   copy, not one per layer. The cache holds weak references, and an in-place write to the tensor
   (its version counter moves) invalidates the entry.
 * Inside a ``torch.compile`` trace the value checks are skipped: reading values there would
-  break the graph, and the compiled graph re-runs with new values it never traced. Shape, dtype,
-  device and stride checks still run (they become guards). A 0-d ``max_seqlen`` tensor is still
-  converted with ``int()``, which compiles with ``fullgraph=True`` and follows the value from
-  call to call (tests/test_ops.py).
+  break the graph, and the compiled graph re-runs with new values it never traced. Shape, dtype
+  and device checks still run (they become guards). A 0-d ``max_seqlen`` tensor is converted
+  with ``int()``, which compiles with ``fullgraph=True`` and follows the value from call to call.
+
+[Note: symbolic scalars] Inside a trace an int or a float may be symbolic (``torch.SymInt`` /
+``torch.SymFloat``): an int argument whose value changed between calls (dynamo then traces it as
+a symbol), every int with ``dynamic=True``, floats, and values read with ``.item()`` or
+``.tolist()`` under ``capture_scalar_outputs``. Converting one with ``operator.index``, ``int``
+or ``float``, or branching on it in Python, would specialise the graph on its value: one
+recompilation per new ``max_seqlen`` (and ``FailOnRecompileLimitHit`` after eight), or a
+data-dependent error for a value read from a tensor. Symbolic values therefore pass through
+unconverted, and their range checks become ``torch._check`` assertions (:func:`_require`): a
+guard for a value the graph was traced with, a runtime check for one read from a tensor.
+``max_seqlen_*`` is only a hint to the kernels' launch grid (no output shape depends on it), so
+one compiled graph serves every value.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 import weakref
 
@@ -68,36 +87,106 @@ def _host_values(t: torch.Tensor) -> list:
 
 # -- scalars -------------------------------------------------------------------------------
 
+def _require(ok, exc, name: str, given, accepted: str) -> None:
+    """Fails unless ``ok``. A symbolic ``ok`` (neither ``True`` nor ``False`` itself) becomes a
+    ``torch._check``: a guard or a runtime assertion, whose message dynamo cannot trace
+    ([Note: symbolic scalars])."""
+    if ok is True:
+        return
+    if ok is False:
+        _fail(exc, name, given, accepted)
+    torch._check(ok)
+
+
+@torch.compiler.disable
+def _host_float(t: torch.Tensor) -> float:
+    """``float(t)`` outside any graph: the ops take Python floats, and a float read inside a
+    graph would be a symbol they cannot take, so a compiled caller breaks the graph here and
+    resumes with a constant."""
+    return float(t)
+
+
+def _item(name: str, value, accepted: str, *, integral: bool):
+    """``value`` as a Python number when it is a 0-d tensor or a 0-d array (numpy), else as is."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex() or (
+                integral and value.dtype.is_floating_point):
+            _fail(TypeError, name, _describe(value), accepted)
+        return int(value) if integral else _host_float(value)
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        return value.item()  # a numpy scalar or 0-d array
+    return value
+
+
 def flag(name: str, value) -> bool:
-    """``value`` if it is a bool, else a TypeError naming ``name``."""
+    """``value`` as a bool (a Python or numpy bool, or a 0-d bool tensor), else a TypeError
+    naming ``name``."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.bool:
+        return bool(value)
+    if not isinstance(value, torch.Tensor) and getattr(value, "ndim", None) == 0:
+        value = value.item() if callable(getattr(value, "item", None)) else value
     if not isinstance(value, bool):
         _fail(TypeError, name, f"{type(value).__name__} {value!r}", "a bool")
     return value
 
 
-def _as_int(name: str, value) -> int:
-    if isinstance(value, bool) or isinstance(value, torch.Tensor):
-        _fail(TypeError, name, f"{type(value).__name__} {value!r}", "an int")
+def _as_int(name: str, value):
+    """An int from an int, a numpy integer or a 0-d integer tensor/array. An int is returned as
+    is: inside a trace it may be symbolic, and ``operator.index`` would specialise it."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    accepted = "an int"
+    value = _item(name, value, accepted, integral=True)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value  # possibly symbolic: read from a 0-d tensor inside a trace
+    if isinstance(value, (bool, torch.Tensor)):
+        _fail(TypeError, name, f"{type(value).__name__} {value!r}", accepted)
     try:
         return operator.index(value)
     except TypeError:
-        _fail(TypeError, name, f"{type(value).__name__} {value!r}", "an int")
+        _fail(TypeError, name, f"{type(value).__name__} {value!r}", accepted)
 
 
-def _as_float(name: str, value) -> float:
-    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, (int, float)):
-        _fail(TypeError, name, f"{type(value).__name__} {value!r}", "a float")
+def _as_float(name: str, value):
+    """A float from a real number, a numpy scalar or a 0-d tensor/array. Inside a trace a float
+    is returned as is (it may be symbolic)."""
+    if isinstance(value, float) and _compiling():
+        return value
+    accepted = "a float"
+    if not isinstance(value, (int, float)):
+        value = _item(name, value, accepted, integral=False)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        _fail(TypeError, name, f"{type(value).__name__} {value!r}", accepted)
     return float(value)
 
 
-def _window(window_size, causal: bool) -> tuple[int, int]:
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        _fail(TypeError, "window_size", repr(window_size), "a pair (left, right) of ints")
-    left = _as_int("window_size[0]", window_size[0])
-    right = _as_int("window_size[1]", window_size[1])
+def _finite(value):
+    """``value`` is finite; a SymBool for a symbolic value (NaN fails both comparisons)."""
+    if _compiling():
+        return (value > -math.inf) & (value < math.inf)
+    return math.isfinite(value)
+
+
+def _window(window_size, causal: bool) -> tuple:
+    """``(left, right)`` from any pair: a tuple or list, or a tensor or array of two integers
+    (flash-attn 2 indexes it). A tensor's values are read on the host (a device-to-host copy
+    for a CUDA tensor); inside a torch.compile graph ``.tolist()`` gives symbolic ints read at
+    run time, so new values need no recompilation (docs/compile.md)."""
+    accepted = "a pair (left, right) of ints"
+    if isinstance(window_size, torch.Tensor) or (
+            hasattr(window_size, "tolist") and hasattr(window_size, "shape")):
+        if tuple(window_size.shape) != (2,):
+            _fail(TypeError, "window_size", f"{type(window_size).__name__} of shape "
+                  f"{tuple(window_size.shape)}", accepted)
+        pair = window_size.tolist()
+    elif isinstance(window_size, (tuple, list)) and len(window_size) == 2:
+        pair = window_size
+    else:
+        _fail(TypeError, "window_size", repr(window_size), accepted)
+    left = _as_int("window_size[0]", pair[0])
+    right = _as_int("window_size[1]", pair[1])
     for side, value in (("window_size[0]", left), ("window_size[1]", right)):
-        if value < -1:
-            _fail(ValueError, side, value, "-1 (unbounded) or an int >= 0")
+        _require(value >= -1, ValueError, side, value, "-1 (unbounded) or an int >= 0")
     if causal:
         right = 0
     return left, right
@@ -108,17 +197,21 @@ def _scalar_params(head_dim, *, dropout_p, softmax_scale, causal, window_size, s
     causal = flag("causal", causal)
     deterministic = flag("deterministic", deterministic)
     dropout_p = _as_float("dropout_p", dropout_p)
-    if not 0.0 <= dropout_p < 1.0:
-        _fail(ValueError, "dropout_p", dropout_p, "a float in [0, 1)")
+    _require(dropout_p >= 0.0, ValueError, "dropout_p", dropout_p, "a float in [0, 1)")
+    _require(dropout_p < 1.0, ValueError, "dropout_p", dropout_p, "a float in [0, 1)")
     if softmax_scale is None:
+        # The head dim the caller passed: an API that pads the head dim scales by the original.
         softmax_scale = head_dim ** -0.5
     else:
         softmax_scale = _as_float("softmax_scale", softmax_scale)
-        if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-            _fail(ValueError, "softmax_scale", softmax_scale, "None or a finite float > 0")
+        accepted = "None or a finite float > 0"
+        _require(_finite(softmax_scale), ValueError, "softmax_scale", softmax_scale, accepted)
+        _require(softmax_scale > 0, ValueError, "softmax_scale", softmax_scale, accepted)
     softcap = _as_float("softcap", softcap)
-    if not (math.isfinite(softcap) and softcap >= 0):
-        _fail(ValueError, "softcap", softcap, "0.0 (off) or a finite float > 0")
+    _require(_finite(softcap), ValueError, "softcap", softcap,
+             "a finite float (> 0 caps the scores; <= 0 is off, as in flash-attn 2)")
+    if softcap < 0:
+        softcap = 0.0
     window_left, window_right = _window(window_size, causal)
     return AttnParams(softmax_scale=softmax_scale, causal=causal, window_left=window_left,
                       window_right=window_right, softcap=softcap, dropout_p=dropout_p, seed=0,
@@ -128,37 +221,35 @@ def _scalar_params(head_dim, *, dropout_p, softmax_scale, causal, window_size, s
 
 # -- tensors -------------------------------------------------------------------------------
 
-def _check_qkv(q, k, v, rank: int, layout: str) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
+def _check_qkv(q, k, v, rank: int, layout: str, names=("q", "k", "v")) -> None:
+    """Types, ranks, dtypes, devices, shapes and head counts of q, k, v; ``names`` are the
+    arguments the messages name (a packed entry point names its packed tensor)."""
+    for name, t in zip(names, (q, k, v)):
         if not isinstance(t, torch.Tensor):
             _fail(TypeError, name, type(t).__name__, f"a torch.Tensor of shape {layout}")
         if t.dim() != rank:
             _fail(ValueError, name, f"a {t.dim()}-d tensor of shape {tuple(t.shape)}",
                   f"a {rank}-d tensor {layout}")
+    name_q, name_k, name_v = names
     if q.dtype not in SUPPORTED_DTYPES:
-        _fail(TypeError, "q", f"dtype {q.dtype}", "torch.float16 or torch.bfloat16")
-    for name, t in (("k", k), ("v", v)):
+        _fail(TypeError, name_q, f"dtype {q.dtype}", "torch.float16 or torch.bfloat16")
+    for name, t in ((name_k, k), (name_v, v)):
         if t.dtype != q.dtype:
             _fail(TypeError, name, f"dtype {t.dtype}", f"the dtype of q ({q.dtype})")
         if t.device != q.device:
             _fail(ValueError, name, f"device {t.device}", f"the device of q ({q.device})")
     if v.shape != k.shape:
-        _fail(ValueError, "v", f"shape {tuple(v.shape)}", f"the shape of k {tuple(k.shape)}")
+        _fail(ValueError, name_v, f"shape {tuple(v.shape)}", f"the shape of k {tuple(k.shape)}")
     head_dim = q.shape[-1]
     if k.shape[-1] != head_dim:
-        _fail(ValueError, "k", f"head dim {k.shape[-1]} (shape {tuple(k.shape)})",
+        _fail(ValueError, name_k, f"head dim {k.shape[-1]} (shape {tuple(k.shape)})",
               f"the head dim of q ({head_dim})")
-    if head_dim % HEAD_DIM_MULTIPLE != 0 or not 0 < head_dim <= MAX_HEAD_DIM:
-        _fail(ValueError, "q", f"head dim {head_dim}",
-              f"a multiple of {HEAD_DIM_MULTIPLE} in [{HEAD_DIM_MULTIPLE}, {MAX_HEAD_DIM}]")
+    if not 0 < head_dim <= MAX_HEAD_DIM:
+        _fail(ValueError, name_q, f"head dim {head_dim}", f"a head dim in [1, {MAX_HEAD_DIM}]")
     num_heads_q, num_heads_kv = q.shape[-2], k.shape[-2]
     if num_heads_kv == 0 or num_heads_q % num_heads_kv != 0:
-        _fail(ValueError, "k", f"{num_heads_kv} heads for {num_heads_q} query heads",
+        _fail(ValueError, name_k, f"{num_heads_kv} heads for {num_heads_q} query heads",
               "a number of kv heads that divides the number of query heads (GQA/MQA)")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            _fail(ValueError, name, f"stride {tuple(t.stride())}",
-                  "a last (head-dim) stride of 1; call .contiguous() first")
 
 
 def _check_alibi(alibi_slopes, q, batch: int):
@@ -220,18 +311,20 @@ def _check_cu_seqlens(name: str, cu, total: int, q) -> list | None:
     return values
 
 
-def _max_seqlen(name: str, value) -> int:
+def _max_seqlen(name: str, value):
+    """An int from an int or a 0-d integer tensor; symbolic inside a trace, where it is a hint
+    that is never specialised on ([Note: symbolic scalars])."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 0 or value.dtype.is_floating_point or value.dtype == torch.bool:
             _fail(TypeError, name, _describe(value), "an int or a 0-d integer tensor")
-        value = int(value) if value.device.type == "cpu" or _compiling() else _host_values(value)
+        if value.device.type != "cpu" and not _compiling():
+            value = _host_values(value)
     result = _as_int(name, value)
-    if result < 0:
-        _fail(ValueError, name, result, "an int >= 0")
+    _require(result >= 0, ValueError, name, result, "an int >= 0")
     return result
 
 
-def _check_longest(name: str, values: list | None, max_seqlen: int) -> None:
+def _check_longest(name: str, values: list | None, max_seqlen) -> None:
     if values is None:
         return
     longest = max(values[b + 1] - values[b] for b in range(len(values) - 1))
@@ -243,11 +336,11 @@ def _check_longest(name: str, values: list | None, max_seqlen: int) -> None:
 # -- entry points --------------------------------------------------------------------------
 
 def batched(q, k, v, *, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-            deterministic, s_aux):
+            deterministic, s_aux, names=("q", "k", "v")):
     """Checks a ``flash_attn_func`` call; returns ``(params, s_aux_f32, alibi_slopes)``."""
-    _check_qkv(q, k, v, 4, "(batch, seqlen, heads, head_dim)")
+    _check_qkv(q, k, v, 4, "(batch, seqlen, heads, head_dim)", names)
     if k.shape[0] != q.shape[0]:
-        _fail(ValueError, "k", f"batch size {k.shape[0]} (shape {tuple(k.shape)})",
+        _fail(ValueError, names[1], f"batch size {k.shape[0]} (shape {tuple(k.shape)})",
               f"the batch size of q ({q.shape[0]})")
     params = _scalar_params(q.shape[-1], dropout_p=dropout_p, softmax_scale=softmax_scale,
                             causal=causal, window_size=window_size, softcap=softcap,
@@ -257,9 +350,10 @@ def batched(q, k, v, *, dropout_p, softmax_scale, causal, window_size, softcap, 
 
 
 def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, dropout_p,
-           softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, s_aux):
+           softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, s_aux,
+           names=("q", "k", "v")):
     """Checks a ``flash_attn_varlen_func`` call; returns ``(params, s_aux_f32, alibi_slopes)``."""
-    _check_qkv(q, k, v, 3, "(total_tokens, heads, head_dim)")
+    _check_qkv(q, k, v, 3, "(total_tokens, heads, head_dim)", names)
     values_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q)
     values_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q)
     if cu_seqlens_k.shape != cu_seqlens_q.shape:
