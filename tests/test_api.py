@@ -40,7 +40,7 @@ SIGNATURES = {
     "flash_attn_varlen_qkvpacked_func": _QKV + [
         ("cu_seqlens", inspect.Parameter.empty), ("max_seqlen", inspect.Parameter.empty),
     ] + FUNC_PARAMS[3:],
-    "flash_attn_varlen_kvpacked_func": _Q_KV + VARLEN_PARAMS[3:],
+    "flash_attn_varlen_kvpacked_func": _Q_KV + VARLEN_PARAMS[3:-1],
 }
 
 
