@@ -1,7 +1,8 @@
 """``python -m flash_attn_hub tune fwd|bwd``: search the Triton kernels' tile configs on this
 GPU and write the measured best into the tables the package ships
-(``torch-ext/flash_attn/triton_{fwd,bwd}_configs.json``). ``common.py`` holds the search, the
-timing and the tuning file; ``fwd.py`` / ``bwd.py`` the candidates and problems of each kernel.
+(``torch-ext/flash_attn/_triton/triton_{fwd,bwd}_configs.json``). ``common.py`` holds the
+search, the timing and the tuning file; ``fwd.py`` / ``bwd.py`` the candidates and problems of
+each kernel.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Each kernel module (``fwd``, ``bwd``) owns one :class:`TileTable`:
   ``generic`` (another CUDA GPU) or ``interpreter`` (CPU tensors under ``TRITON_INTERPRET=1``),
   each entry with the reason it was chosen;
 * a JSON file beside the module (``triton_fwd_configs.json``, ``triton_bwd_configs.json``,
-  shipped through build.toml's ``pyext``), written on a GPU by ``benchmarks/tune_triton_*.py``,
+  shipped through build.toml's ``pyext``), written on a GPU by ``python -m flash_attn_hub tune``,
   whose entries are keyed by the GPU's name (``torch.cuda.get_device_name``), the head-dim
   bucket ``block_d`` and a sequence-length bucket.
 
