@@ -186,8 +186,7 @@ def _attend_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
         PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, IS_VARLEN: tl.constexpr,
-        HAS_LEFTPAD: tl.constexpr,
-        HAS_BATCH_IDX: tl.constexpr, ROTARY_DIM: tl.constexpr,
+        HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, ROTARY_DIM: tl.constexpr,
         ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_ROW: tl.constexpr,
         HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
         HAS_ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr):
