@@ -347,6 +347,22 @@ def test_dispatch_logs_the_backend_once(flash_attn, caplog):
     assert lines == ["flash_attn kv-cache paged on cpu: cpu backend (tensors on cpu)"]
 
 
+def test_backend_choice_follows_the_environment(flash_attn, monkeypatch):
+    """``cpu`` runs anywhere; ``cuda`` (no compiled kv-cache kernel) needs CUDA tensors and then
+    runs Triton; ``triton`` on CPU tensors only under the interpreter."""
+    dispatch = submodule(flash_attn, "_dispatch")
+    q = torch.zeros(1, 1, 2, 16, dtype=torch.float16)
+    monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "cpu")
+    assert dispatch.select_kvcache_backend(q, paged=True, varlen=False).__name__ == (
+        "kvcache_forward")
+    monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="FLASH_ATTN_HUB_BACKEND=cuda: got tensors on cpu"):
+        dispatch.select_kvcache_backend(q, paged=True, varlen=False)
+    if torch.cuda.is_available():
+        assert dispatch.select_kvcache_backend(q.cuda(), paged=True, varlen=False).__module__ \
+            .endswith("_triton.kvcache")
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input: an error naming the argument, raised before anything is written.
 # ---------------------------------------------------------------------------------------------

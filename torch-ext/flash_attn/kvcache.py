@@ -111,9 +111,9 @@ def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]):
 def _run(tensors: dict, params: KvCacheParams) -> tuple[Tensor, Tensor]:
     """The op, or its body when nothing could observe the difference (see ``_custom_ops``'
     [Note: direct eager calls])."""
-    args = [tensors.get(name) for name in TENSORS]
-    args += [getattr(params, name) for name in PARAM_FIELDS]
-    if _custom_ops._direct([tensors.get(name) for name in TENSORS]):
+    inputs = [tensors.get(name) for name in TENSORS]
+    args = inputs + [getattr(params, name) for name in PARAM_FIELDS]
+    if _custom_ops._direct(inputs):
         return _kvcache_body(*args)
     return kvcache_fwd(*args)
 

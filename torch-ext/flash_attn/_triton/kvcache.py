@@ -12,6 +12,11 @@ Glossary (see also ``common``):
                      ``n % PAGE_SIZE`` (any page size: the address is computed per key, so a
                      tile may straddle pages); contiguous caches read row ``cache_batch_idx[b]``
                      (else ``b``), slot ``n``
+  PAGE_ALIGNED       pages hold whole key blocks (PAGE_SIZE a multiple of BLOCK_N, no leftpad):
+                     a block reads one table entry and is a strided tile, which Triton's
+                     pipeliner prefetches like a contiguous cache's (ptxas sm90, page 256,
+                     16 x 64 tile: 72 KB of staged shared memory and 116 registers, against
+                     40 KB and 168 for the per-key gather, which it does not pipeline)
   packed row         row ``r`` of a tile is query row ``r // GROUP`` of query head
                      ``kv_head * GROUP + r % GROUP``: the GROUP * Sq rows that read one kv head
                      share its K/V tiles (decode and multi-token decode read K/V once per kv
@@ -56,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._heuristics import kvcache_splits
+from .._heuristics import hopper_or_later, kvcache_splits
 from .._params import KvCacheParams
 from .common import LOG2E, key_block_range, score_constants, scores_log2, visible
 from .tuning import block_d_for
@@ -73,17 +78,21 @@ class KvTiles:
 
 
 def tiles_for(head_dim: int, packed_rows: int, device: torch.device) -> KvTiles:
-    """Tiles by head dim and packed rows (GROUP * Sq). Not timed on a GPU yet: the decode
-    kernel's shapes (64 keys per step up to D=128, 32 above; 4 warps), with BLOCK_M the packed
-    rows rounded up to a power of two between 16 (``tl.dot``'s minimum) and 64 (32 at D=256,
-    whose fp32 accumulator would otherwise take 128 registers a thread). The interpreter takes
-    16 x 16, so small tests cross row blocks, key blocks and pages."""
+    """Tiles by head dim and packed rows (GROUP * Sq); none timed on a GPU yet. BLOCK_M is the
+    packed rows rounded up to a power of two between 16 (``tl.dot``'s minimum) and 64 (32 above
+    D=128); 64 keys per step up to D=128, 32 above. ptxas sm90 (bf16, paged, causal; 3 stages):
+    16 x 64 rows x keys at D=128 with 4 warps 168 registers, 40 KB shared memory, no spills;
+    64 x 64 with 4 warps 236 registers, with 8 warps 150 (so 8 warps from 64 rows); D=256
+    16 x 32 156, 32 x 32 <= 212. Three stages on Hopper (up to ~150 KB shared memory at D=256),
+    two elsewhere (sm86/sm89 have 99 KB). The interpreter takes 16 x 16, so small tests cross
+    row blocks, key blocks and pages."""
     if device.type != "cuda":
         return KvTiles(16, 16, 1, 1, "interpreter: small tiles")
     block_m = max(16, min(triton.next_power_of_2(max(packed_rows, 1)),
                           64 if head_dim <= 128 else 32))
-    return KvTiles(block_m, 64 if head_dim <= 128 else 32, 4, 3,
-                   "decode kernel's shapes; not timed yet")
+    stages = 3 if hopper_or_later(device) else 2
+    return KvTiles(block_m, 64 if head_dim <= 128 else 32, 8 if block_m >= 64 else 4, stages,
+                   "ptxas-checked, not timed")
 
 
 @triton.jit
@@ -176,8 +185,8 @@ def _attend_kernel(
         qk_scale, softcap_log2, window_left, window_right,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        PAGED: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-        HAS_BATCH_IDX: tl.constexpr, ROTARY_DIM: tl.constexpr,
+        PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, IS_VARLEN: tl.constexpr,
+        HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, ROTARY_DIM: tl.constexpr,
         ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_ROW: tl.constexpr,
         HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
         HAS_ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr):
@@ -266,7 +275,15 @@ def _attend_kernel(
         cols = block * BLOCK_N + offs_n
         position = start + cols
         ok = cols < seqlen_k
-        if PAGED:  # [Note: masked cache access]
+        if PAGE_ALIGNED:  # the block lies in one page: one table entry, a strided tile
+            page = (block * BLOCK_N) // PAGE_SIZE
+            ok = ok & (page < table_width)
+            blocks = tl.load(table + page, mask=page < table_width, other=-1)
+            ok = ok & (blocks >= 0) & (blocks < num_blocks)
+            slot = ((block * BLOCK_N) % PAGE_SIZE + offs_n).to(tl.int64)
+            k_rows = blocks.to(tl.int64) * stride_kb + slot * stride_ks
+            v_rows = blocks.to(tl.int64) * stride_vb + slot * stride_vs
+        elif PAGED:  # [Note: masked cache access]
             page = position // PAGE_SIZE
             ok = ok & (page < table_width)
             blocks = tl.load(table + page, mask=ok, other=-1)
@@ -451,6 +468,7 @@ def forward(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cach
         params.window_left, params.window_right,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         GROUP=group, PAGE_SIZE=k_cache.shape[1] if paged else 1, PAGED=paged,
+        PAGE_ALIGNED=paged and cache_leftpad is None and k_cache.shape[1] % cfg.block_n == 0,
         IS_VARLEN=varlen, HAS_LEFTPAD=cache_leftpad is not None,
         HAS_BATCH_IDX=cache_batch_idx is not None, ROTARY_DIM=rotary_dim,
         ROTARY_INTERLEAVED=params.rotary_interleaved, ROTARY_PER_ROW=params.rotary_per_row,
