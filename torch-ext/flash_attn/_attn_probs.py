@@ -27,8 +27,8 @@ import importlib
 import torch
 
 # 2**24 entries: 32 MiB of fp16 output, about 200 MiB of float32 scores and int64 hashes while
-# one sequence is computed. Larger requests are refused (public API) or answered with an empty
-# matrix (the flash-attn 2 private wrapper, see flash_attn_interface.py).
+# one sequence is computed. Larger requests are answered with None (public API) or an empty
+# matrix (the flash-attn 2 private wrapper, see flash_attn_interface.py), and a warning.
 MAX_ELEMENTS = 1 << 24
 
 
@@ -43,16 +43,6 @@ def num_elements(q, k, cu_seqlens_q, params) -> int:
 
 def fits(q, k, cu_seqlens_q, params) -> bool:
     return num_elements(q, k, cu_seqlens_q, params) <= MAX_ELEMENTS
-
-
-def check_size(q, k, cu_seqlens_q, params) -> None:
-    """A ValueError naming ``return_attn_probs`` when the matrix would exceed the limit."""
-    count = num_elements(q, k, cu_seqlens_q, params)
-    if count > MAX_ELEMENTS:
-        raise ValueError(
-            f"return_attn_probs: got a {count}-entry probability matrix (batch x heads x "
-            f"seqlen_q x seqlen_k); expected at most {MAX_ELEMENTS} entries: the dropout-encoded "
-            f"probabilities are materialised for small (testing) shapes only")
 
 
 def _one_batch(cpu, q, k, lse, *, slopes, batch_offset, params) -> torch.Tensor:

@@ -19,8 +19,8 @@ import functools
 
 import torch
 
-from ._heuristics import (_COMPILED_BWD_HEAD_DIMS, _COMPILED_HEAD_DIMS, bwd_kernel_dim,
-                          cuda_group_splits, is_sm90)
+from . import _heuristics
+from ._heuristics import _COMPILED_BWD_HEAD_DIMS, _COMPILED_HEAD_DIMS, bwd_kernel_dim, is_sm90
 from ._math import sink_gradient
 from ._params import AttnParams
 
@@ -187,7 +187,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
     dq_acc = torch.empty(rows * heads, kernel_dim, device=q.device, dtype=torch.float32)
     semaphore = (torch.empty(rows * heads // _WORKSPACE_BLOCK, device=q.device, dtype=torch.int32)
                  if params.deterministic else None)
-    splits = cuda_group_splits(q, k, params)  # [Note: CUDA group split] in _heuristics
+    # [Note: CUDA group split] in _heuristics; looked up on the module so a test can force it
+    splits = _heuristics.cuda_group_splits(q, k, params)
     partial = (torch.empty((2, splits, *k.shape), device=k.device, dtype=torch.float32)
                if splits > 1 else None)
     _op("hopper_bwd")(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, dq_acc, lse2, delta,

@@ -34,19 +34,24 @@ the conversion happens only on the lse a public function returns. With a sink th
 [Note: return_attn_probs] ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)``.
 ``S_dmask`` is None without dropout (flash-attn 2 returns an empty tensor there) and, with
 dropout, the dropout-encoded probability matrix of ``_attn_probs`` (probabilities, negated where
-dropped), for at most ``_attn_probs.MAX_ELEMENTS`` entries (larger requests raise ValueError).
+dropped), for at most ``_attn_probs.MAX_ELEMENTS`` entries; a larger request logs a warning and
+returns None in its place, as this package did before it computed the matrix (code that asks
+for the probabilities only to get the lse keeps working at real sizes).
 It is computed in eager mode only (a graph break under torch.compile).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import torch
 import torch.nn.functional as F
 
 from . import _attn_probs, _custom_ops, _validate, kvcache
+
+logger = logging.getLogger("flash_attn")
 
 # Dropout seeds are drawn from [0, 2**63): non-negative, and an int64 for the op schema.
 _SEED_BOUND = 2**63 - 1
@@ -97,8 +102,13 @@ def _attend(q, k, v, varlen_args, *, names, dropout_p, softmax_scale, causal, wi
         cu_seqlens_q, cu_seqlens_k = varlen_args[:2]
     return_attn_probs = _validate.flag("return_attn_probs", return_attn_probs)
     with_probs = return_attn_probs and params.dropout_p > 0
-    if with_probs:
-        _attn_probs.check_size(q, k, cu_seqlens_q, params)
+    if with_probs and not _attn_probs.fits(q, k, cu_seqlens_q, params):
+        # code that asks for the probabilities only to get the lse keeps working at real sizes
+        logger.warning("flash_attn: return_attn_probs=True with dropout asks for a %d-entry "
+                       "S_dmask, over the %d-entry limit; returning None in its place",
+                       _attn_probs.num_elements(q, k, cu_seqlens_q, params),
+                       _attn_probs.MAX_ELEMENTS)
+        with_probs = False
     head_dim = q.shape[-1]
     pad = head_dim_padding(head_dim)
     q, k, v = (kernel_layout(t, pad) for t in (q, k, v))
