@@ -15,6 +15,11 @@ import pytest
 import torch
 
 os.environ.setdefault("FLASH_ATTN_HUB_POISON", "1")
+# Without a GPU the Triton kernels run under Triton's interpreter. Triton reads the variable when
+# a function is decorated, its own library's included (tl.cdiv, tl.sum, ...), so it is set here,
+# before any test module imports triton (torch._dynamo does, at collection).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
