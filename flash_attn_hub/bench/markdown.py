@@ -156,7 +156,9 @@ def _header_lines(env: dict, records: list[dict]) -> list[str]:
         r["provider"] == "fa4" for r in records) else ""
     return [f"GPU: **{env.get('gpu')}**" + (f" (driver {env['driver']})" if env.get("driver") else "") +
             f"; {versions(env)}{fa4}; kernels {env.get('kernels')}; our build `{env.get('kernel_build')}`; "
-            f"git `{env.get('git_sha')}`; {env.get('date')}.", ""]
+            f"git `{env.get('git_sha')}`; {env.get('date')}.", "",
+            *([f"Measured by `{env['command']}` (a narrower command measures a subset of the grid).", ""]
+              if env.get("command") else [])]
 
 
 def markdown(records: list[dict], skips: list[dict], env: dict, plots: list[Path], page_dir: Path,
