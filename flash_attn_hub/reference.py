@@ -218,9 +218,14 @@ def cache_rows(cache, start: int, end: int, *, row=None, pages=None):
     sequence's block-table row) of a paged cache."""
     if pages is None:
         return cache[row, start:end]
-    size = cache.shape[1]
-    rows = [cache[pages[n // size], n % size] for n in range(start, end)]
-    return torch.stack(rows) if rows else cache.new_empty((0, *cache.shape[2:]))
+    size, count = cache.shape[1], cache.shape[0]
+    blocks = [pages[n // size] for n in range(start, end)]
+    if any(not -count <= block < count for block in blocks):
+        raise IndexError(f"block index out of range for a cache of {count} blocks")
+    # One gather (not a stack of per-position views), so a 128k-key sequence stays cheap.
+    device = cache.device
+    return cache[torch.tensor(blocks, dtype=torch.int64, device=device),
+                 torch.arange(start, end, device=device) % size]
 
 
 def kvcache_reference(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None,

@@ -4,6 +4,7 @@ end to end."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -15,14 +16,16 @@ import torch
 
 from flash_attn_hub.bench import env as bench_env
 from flash_attn_hub.bench import report, runner, timing
-from flash_attn_hub.bench.providers import FlashAttention4, Ours, Prepared, Sdpa, make_providers, sdpa_forward
-from flash_attn_hub.bench.workloads import (ALL_GRIDS, Workload, attention_flops, grid_names, grid_workloads,
-                                            make_inputs, packed_lengths, visible_pairs)
-from flash_attn_hub.reference import attention_reference, visible_mask
+from flash_attn_hub.bench.providers import (KV_CHECK_VALUES_ENV, FlashAttention4, Flex, Ours, Prepared, Sdpa,
+                                            make_providers, sdpa_forward)
+from flash_attn_hub.bench.workloads import (ALL_GRIDS, Workload, attention_flops, cpu_stand_ins, grid_names,
+                                            grid_workloads, make_inputs, packed_lengths, visible_pairs)
+from flash_attn_hub.reference import attention_reference, kvcache_reference, visible_mask
 
 REQUIRED = ("provider", "workload", "mode", "dtype", "batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv",
             "head_dim", "causal", "ms_p20", "ms_p50", "ms_p80", "tflops", "ratio_to_best_peer", "peak_mem_bytes",
             "gpu", "driver", "torch", "cuda", "cudnn", "triton", "fa4", "git_sha", "date")
+KV_COLUMNS = ("kv_cache", "page_size", "gbps", "copy_gbps", "pct_copy", "host_us")
 
 
 @pytest.mark.kernels_ci
@@ -77,7 +80,7 @@ def test_main_grid_is_the_release_grid():
 
 @pytest.mark.kernels_ci
 def test_grids_cover_the_issue_workloads():
-    assert grid_names("all") == list(ALL_GRIDS) == ["main", "varlen", "decode", "window"]
+    assert grid_names("all") == list(ALL_GRIDS) == ["main", "varlen", "decode", "window", "kvcache"]
     assert grid_names("varlen, decode,varlen") == ["varlen", "decode"]
     with pytest.raises(ValueError, match="'nope' is not one of"):
         grid_names("varlen,nope")
@@ -94,6 +97,92 @@ def test_grids_cover_the_issue_workloads():
     picked = grid_workloads("main,window", seqlens=[16384], head_dims=[128], match="h32-8")
     assert [w.name for w in picked] == ["main-d128-h32-8-b1-s16384-full", "main-d128-h32-8-b1-s16384-causal",
                                         "window-d128-h32-8-b1-s16384-causal-w4095.0"]
+
+
+@pytest.mark.kernels_ci
+def test_kvcache_grid_holds_the_decode_cells():
+    """GQA 32/8 and 64/8 at D=128; contiguous, page 16 and page 64 caches; B 1..128 over 4k..128k
+    keys; multi-token decode Sq 4/8/16 at 32/8. The quick grid is its corners, by name."""
+    full = grid_workloads("kvcache")
+    assert all(w.kv_cache and w.causal and w.head_dim == 128 and w.modes == ("fwd",) for w in full)
+    single = [w for w in full if w.seqlen_q == 1]
+    assert {(w.heads_q, w.heads_kv, w.page_size, w.batch, w.seqlen_k) for w in single} == {
+        (hq, hkv, page, b, sk) for hq, hkv in ((32, 8), (64, 8)) for page in (16, 64, 0)
+        for b in (1, 8, 32, 128) for sk in (4096, 32768, 131072)}
+    multi = [w for w in full if w.seqlen_q > 1]
+    assert {(w.seqlen_q, w.page_size, w.batch, w.seqlen_k, w.heads_q) for w in multi} == {
+        (sq, page, b, sk, 32) for sq in (4, 8, 16) for page in (16, 0) for b in (1, 8) for sk in (4096, 32768)}
+    assert len(full) == len(single) + len(multi) == 72 + 24 and len({w.name for w in full}) == len(full)
+    quick = grid_workloads("kvcache-quick")
+    assert {w.name for w in quick} < {w.name for w in full} and len(quick) == 8 + 16
+    assert {(w.heads_q, w.page_size) for w in quick} == {(32, 16), (32, 0)}
+    assert {w.seqlen_q for w in quick} == {1, 4, 16} and {w.seqlen_k for w in quick} == {4096, 32768}
+    assert len(grid_workloads("kvcache,kvcache-quick")) == len(full)  # one cell, one row
+    assert full[0].name == "kvcache-d128-h32-8-b1-sq1-sk4096-page16-causal"
+    assert [w.name for w in full if w.host_timed] == [
+        f"kvcache-d128-h{hq}-8-b1-sq1-sk4096-{cache}-causal" for hq in (32, 64)
+        for cache in ("page16", "page64", "contiguous")]
+    assert full[0].cache_elements == 2 * 4096 * 8 * 128
+    assert attention_flops(full[0]) == 4 * 32 * 128 * 4096  # one query row sees every key
+    assert cpu_stand_ins(["main", "kvcache-quick", "window"]) == ["cpu", "cpu-kvcache"]
+    assert cpu_stand_ins(["kvcache"]) == ["cpu-kvcache"] and cpu_stand_ins(["cpu"]) == ["cpu"]
+
+
+@pytest.mark.kernels_ci
+def test_kvcache_inputs_are_a_shuffled_paged_or_a_contiguous_cache():
+    paged = Workload("t", 3, 2, 40, 4, 2, 8, True, kv_cache=True, page_size=16)
+    x = make_inputs(paged, device="cpu", dtype=torch.float32, seed=0)
+    assert x.q.shape == (3, 2, 4, 8) and x.k.shape == x.v.shape == (9, 16, 2, 8)  # 3 pages a sequence
+    assert x.block_table.dtype == torch.int32 and x.block_table.shape == (3, 3)
+    assert sorted(x.block_table.flatten().tolist()) == list(range(9))
+    assert x.block_table.flatten().tolist() != list(range(9))  # blocks handed out in a random order
+    assert x.cache_seqlens.tolist() == [40, 40, 40] and x.cache_seqlens.dtype == torch.int32
+    assert not torch.equal(x.k, x.v) and bool((x.k != 0).all())
+    contiguous = make_inputs(dataclasses.replace(paged, page_size=0), device="cpu", dtype=torch.float32, seed=0)
+    assert contiguous.k.shape == (3, 40, 2, 8) and contiguous.block_table is None
+
+
+@pytest.mark.kernels_ci
+def test_kvcache_providers_call_flash_attn_with_kvcache_and_sdpa_in_place(monkeypatch):
+    """Ours: flash_attn_with_kvcache with the cache's seqlens and block table, value checks off;
+    SDPA reads the contiguous cache in place with the oracle's semantics (Sq > 1: causal
+    lower-right) and skips a paged one; the CUDA backend, FlexAttention and FA4 skip kv-cache
+    steps with their reason."""
+    calls = []
+    module = types.SimpleNamespace(flash_attn_with_kvcache=lambda q, k, v, **kw: calls.append(kw) or q)
+    w = Workload("t", 2, 3, 37, 4, 2, 16, True, modes=("fwd",), kv_cache=True, page_size=16)
+    x = make_inputs(w, device="cpu", dtype=torch.float64, seed=0)
+    ours = Ours(module, "triton")
+    assert ours.unsupported(w) is None and ours.prepare(w, x).fwd() is x.q
+    assert calls[0]["cache_seqlens"] is x.cache_seqlens and calls[0]["block_table"] is x.block_table
+    assert calls[0]["causal"] is True and calls[0]["window_size"] == (-1, 0)
+    monkeypatch.delenv(KV_CHECK_VALUES_ENV, raising=False)
+    with ours.context():
+        assert os.environ[KV_CHECK_VALUES_ENV] == "0" and os.environ["FLASH_ATTN_HUB_BACKEND"] == "triton"
+    assert KV_CHECK_VALUES_ENV not in os.environ  # restored
+    assert "no kv-cache kernel" in Ours(module, "cuda").unsupported(w)
+    assert "no flash_attn_with_kvcache" in Ours(types.SimpleNamespace(), "triton").unsupported(w)
+    assert "paged" in Sdpa("cudnn").unsupported(w)
+    assert Flex().unsupported(w) and FlashAttention4().unsupported(w)
+    contiguous = dataclasses.replace(w, page_size=0)
+    xc = make_inputs(contiguous, device="cpu", dtype=torch.float64, seed=1)
+    assert Sdpa("cudnn").unsupported(contiguous) is None
+    got = Sdpa("math").prepare(contiguous, xc).fwd()
+    want = kvcache_reference(xc.q, xc.k, xc.v, cache_seqlens=xc.cache_seqlens, causal=True)["out"]
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.kernels_ci
+def test_kvcache_cells_too_large_for_the_gpu_are_skipped(monkeypatch):
+    w = grid_workloads("kvcache", match="h32-8-b128-sq1-sk131072-contiguous")[0]  # 64 GiB of K+V
+    small = grid_workloads("kvcache", match="h32-8-b1-sq1-sk4096-contiguous")[0]
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
+        total_memory=80 << 30))
+    cuda = torch.device("cuda")
+    assert "K+V over 33%" in runner.too_large(w, cuda, torch.bfloat16)
+    assert runner.too_large(small, cuda, torch.bfloat16) is None
+    assert runner.too_large(w, torch.device("cpu"), torch.bfloat16) is None
+    assert runner.too_large(grid_workloads("main")[0], cuda, torch.bfloat16) is None
 
 
 @pytest.mark.kernels_ci
@@ -123,6 +212,18 @@ def test_cpu_timer_reports_ordered_quantiles_and_clears_gradients():
                                      timing=timing.Timing(warmup_ms=0, rep_ms=0))
     assert 0 <= p20 <= p50 <= p80 and len(calls) >= 6  # one untimed call, then at least five
     assert timing.median_ms(lambda: None, device=torch.device("cpu")) >= 0
+
+
+@pytest.mark.kernels_ci
+def test_cpu_graph_timer_host_timer_and_copy_fall_back_to_the_wall_clock():
+    calls = []
+    fast = timing.Timing(warmup_ms=0, rep_ms=0, host_calls=7)
+    p20, p50, p80 = timing.graph_quantiles(lambda: calls.append(1), device="cpu", timing=fast)
+    assert 0 <= p20 <= p50 <= p80 and len(calls) >= 6
+    calls.clear()
+    assert timing.host_ms(lambda: calls.append(1), device="cpu", timing=fast) >= 0
+    assert len(calls) == 20 + 7  # untimed warm-up, then the timed calls
+    assert timing.copy_gbps("cpu", nbytes=1 << 20, timing=fast) > 0
 
 
 @pytest.mark.kernels_ci
@@ -271,6 +372,73 @@ def test_tiny_cpu_suite_end_to_end(flash_attn, tmp_path):
     assert [p.name for p in (tmp_path / "page" / "plots").glob("*.png")] == ["cpu-d64.png"]
 
 
+class _AlteredOurs(Ours):
+    """Our CPU backend under another name (a peer), its kv-cache call changed by ``alter(w, x)``:
+    the ``(x, block_table)`` it is given instead; ``paged_only``: it skips contiguous caches."""
+
+    def __init__(self, module, name, alter, paged_only=False):
+        super().__init__(module, "cpu")
+        self.name = name
+        self.alter = alter
+        self.paged_only = paged_only
+
+    def unsupported(self, w):
+        return "a contiguous cache" if self.paged_only and not w.page_size else super().unsupported(w)
+
+    def prepare(self, w, x):
+        x, table = self.alter(w, x)
+        return super().prepare(w, dataclasses.replace(x, block_table=table))
+
+
+def _scaled_q(w, x):
+    return dataclasses.replace(x, q=x.q * 1.05), x.block_table
+
+
+def _blocks_in_storage_order(w, x):
+    return x, torch.arange(x.block_table.numel(), dtype=torch.int32).view(x.block_table.shape)
+
+
+def test_tiny_cpu_kvcache_suite_end_to_end(flash_attn, tmp_path):
+    """The kv-cache grid's path on CPU: verified against kvcache_reference (a wrong output and a
+    reader that ignores the shuffled block table are refused), graph timer (its CPU fallback),
+    GB/s and %copy against the run's copy, host time on the smallest cells, the page's kvcache
+    tables, and the CSV read back exactly."""
+    workloads = grid_workloads("cpu-kvcache")
+    providers = make_providers(["ours-cpu", "sdpa-math"], flash_attn) + [
+        _AlteredOurs(flash_attn, "wrong", _scaled_q), _AlteredOurs(flash_attn, "unshuffled", _blocks_in_storage_order, paged_only=True)]
+    result = runner.run_suite(workloads, providers, ["fwd", "bwd"], device=torch.device("cpu"),
+                              timing=timing.Timing(warmup_ms=1, rep_ms=3, host_calls=5), ours_module=flash_attn,
+                              progress=False)
+    records, skips = result.records, result.skips
+    paged = {w.name for w in workloads if w.page_size}
+    assert paged and result.copy_gbps > 0
+    assert sorted((r["provider"], r["workload"]) for r in records) == sorted(
+        [("ours-cpu", w.name) for w in workloads] + [("sdpa-math", w.name) for w in workloads if not w.page_size])
+    assert {s.workload for s in skips if s.provider == "sdpa-math" and "paged" in s.reason} == paged
+    assert {s.workload for s in skips if s.provider == "wrong" and "exceeds" in s.reason} == {w.name for w in workloads}
+    assert {s.workload for s in skips if s.provider == "unshuffled" and "exceeds" in s.reason} == paged
+    for r in records:
+        w = next(w for w in workloads if w.name == r["workload"])
+        assert all(k in r for k in REQUIRED + KV_COLUMNS) and r["mode"] == "fwd" and r["kv_cache"]
+        assert r["page_size"] == w.page_size and r["ms_p20"] <= r["ms_p50"] <= r["ms_p80"]
+        assert r["gbps"] == pytest.approx(w.cache_elements * 2 / (r["ms_p50"] * 1e-3) / 1e9)  # bf16 K+V read
+        assert r["copy_gbps"] == result.copy_gbps and r["pct_copy"] == pytest.approx(100 * r["gbps"] / r["copy_gbps"])
+        assert (r["host_us"] is not None) == w.host_timed and (r["host_us"] is None or r["host_us"] > 0)
+        assert math.isfinite(r["verify_err_out"]) and r["verify_err_grad"] is None
+        assert (r["best_peer"] == "sdpa-math") == (not w.page_size)  # SDPA: contiguous caches only
+    assert any(r["host_us"] for r in records if r["provider"] == "sdpa-math")
+    skip_rows = [{"provider": s.provider, "workload": s.workload, "mode": s.mode, "reason": s.reason} for s in skips]
+    text = report.write_page(tmp_path / "page", records, skip_rows).read_text()
+    assert "## cpu-kvcache" in text and "### Device time (us, median), K+V read (GB/s) and %copy" in text
+    assert ("| cache | Hq/Hkv | B | Sk | Sq | ours-cpu us | sdpa-math us | ours-cpu GB/s | ours-cpu %copy "
+            "| best peer | ours-cpu / best |") in text
+    assert "| page 16 | 4/2 | 3 | 100 | 1 |" in text and "| contiguous | 4/2 | 2 | 150 | 4 |" in text
+    assert "### Host time per eager call (us)" in text and "| ours-cpu / fastest peer |" in text
+    assert "TFLOP/s (median)" not in text  # a kv-cache grid has its own tables
+    assert report.load(tmp_path / "page") == (records, skip_rows)
+    assert not list((tmp_path / "page").rglob("*.png"))
+
+
 def _gqa_records(env, *, ours_mib, flash_mib, ours_tflops=300.0):
     """Records of one GQA workload as the runner makes them (bwd: ours and SDPA flash)."""
     w = Workload("gqa", 4, 4096, 4096, 32, 8, 128, True)
@@ -356,3 +524,23 @@ def test_cli_on_cpu(flash_attn, tmp_path, capsys, monkeypatch):
     assert "no results.csv" in capsys.readouterr().out
     assert main(["bench", "--kernel-dir", str(tmp_path / "no-build"), "--into", str(tmp_path / "x")]) == 2
     assert "could not load our kernel" in capsys.readouterr().out
+
+
+def test_cli_kvcache_grid_on_cpu(flash_attn, tmp_path, capsys, monkeypatch):
+    """``--grid kvcache`` alone runs its CPU stand-in; ``--append`` adds another grid to the page."""
+    from flash_attn_hub.cli import main
+    monkeypatch.setenv(bench_env.GIT_SHA_ENV, "0123456789ab")
+    into = tmp_path / "page"
+    args = ["bench", "--kernel-dir", str(Path(flash_attn.__file__).parent), "--into", str(into),
+            "--warmup-ms", "1", "--rep-ms", "2", "--no-progress"]
+    assert main([*args, "--grid", "kvcache", "--match", "b3-"]) == 0
+    out = capsys.readouterr().out
+    assert "instead of --grid kvcache, the tiny CPU grid runs (cpu-kvcache:" in out and "device copy:" in out
+    records, _ = report.load(into)
+    assert {(r["provider"], r["page_size"]) for r in records} == {("ours-cpu", 16), ("ours-cpu", 0), ("sdpa-math", 0)}
+    assert all(r["gbps"] > 0 and r["pct_copy"] > 0 for r in records)
+    assert main([*args, "--grid", "main", "--modes", "fwd", "--match", "s128-causal", "--append"]) == 0
+    records, _ = report.load(into)
+    assert {r["grid"] for r in records} == {"cpu-kvcache", "cpu"}
+    text = (into / "RESULTS.md").read_text()
+    assert "## cpu-kvcache" in text and "## cpu\n" in text and "ours-cpu %copy" in text

@@ -7,6 +7,7 @@ verified against ``flash_attn_hub.reference`` first, written as a results page.
     python -m flash_attn_hub bench --into benchmarks/ --head-dims 128 --append  # dim per command
     python -m flash_attn_hub bench --into benchmarks/ --head-dims 256 --append
     python -m flash_attn_hub bench --into /tmp/b --grid varlen --modes fwd --providers ours-triton,flex
+    python -m flash_attn_hub bench --into /tmp/kv --grid kvcache   # flash_attn_with_kvcache decode steps
 
 The page (``report.py``): ``RESULTS.md``, ``results.csv`` and ``plots/*.png`` in ``--into``,
 replacing what was there; ``--append`` adds to it instead. The release page is
@@ -20,8 +21,14 @@ Our package is loaded the way users load it, through ``kernels``: a local build
 (``--kernel-dir``, default ``build/``, built with ``build_variant`` when missing) or a Hub
 repository (``--repo-id`` with ``--version``/``--revision``, ``--endpoint`` for a
 Hub-compatible server). Without a GPU it runs a tiny CPU grid (our CPU backend against
-SDPA's math backend): a check of the pipeline, not a measurement of the kernels. The data is
-saved after every workload, so a command stopped by a time limit keeps what it finished.
+SDPA's math backend; ``cpu-kvcache`` stands in for the kv-cache grids): a check of the
+pipeline, not a measurement of the kernels. The data is saved after every workload, so a
+command stopped by a time limit keeps what it finished.
+
+The kv-cache grid (``kvcache``; ``kvcache-quick`` is its corners) times decode steps of
+``flash_attn_with_kvcache`` (paged and contiguous caches, multi-token decode) against SDPA
+cuDNN / flash on the contiguous cache, inside CUDA graphs, with their GB/s against a device
+copy and the eager host time per call; see the page's Method.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import time
 from pathlib import Path
 
 from .. import DEFAULT_REPO_ID, REPO_ROOT
-from .workloads import GRIDS, MODES
+from .workloads import CPU_GRIDS, GRIDS, MODES
 
 DEFAULT_MODES = ("fwd", "bwd")
 
@@ -66,8 +73,8 @@ def register(subparsers) -> None:
                    help="add to the page in --into (same GPU and software) instead of replacing it; a "
                         "workload and mode measured again replaces the old numbers whole")
     p.add_argument("--grid", default="main",
-                   help=f"workload grids, comma-separated: {', '.join(g for g in GRIDS if g != 'cpu')}, or all "
-                        "(default: main, the release grid; without a GPU the tiny CPU grid runs)")
+                   help=f"workload grids, comma-separated: {', '.join(g for g in GRIDS if g not in CPU_GRIDS)}, "
+                        "or all (default: main, the release grid; without a GPU the tiny CPU grids run)")
     p.add_argument("--providers", type=_csv, default=None,
                    help="comma-separated, e.g. ours-cuda,ours-triton,fa4,sdpa-cudnn,flex "
                         "(default: all that run on this device)")
@@ -139,7 +146,7 @@ def run(args) -> int:
     from .report import PageError, clear_page, combine, load, mismatches, write_data, write_page
     from .runner import available, run_suite
     from .timing import Timing
-    from .workloads import grid_names, grid_workloads
+    from .workloads import cpu_stand_ins, grid_names, grid_workloads
 
     bad = [m for m in args.modes if m not in MODES]
     if bad:
@@ -152,9 +159,10 @@ def run(args) -> int:
         return 2
     cuda = torch.cuda.is_available()
     if not cuda:
-        print(f"No CUDA GPU here: instead of --grid {args.grid}, the tiny CPU grid runs (our CPU backend against "
-              "SDPA math on CPU). It checks the benchmark pipeline; GPU numbers need a GPU.", flush=True)
-        grids = ["cpu"]
+        grids = cpu_stand_ins(grids)
+        print(f"No CUDA GPU here: instead of --grid {args.grid}, the tiny CPU grid runs ({','.join(grids)}: our "
+              "CPU backend against SDPA math on CPU). It checks the benchmark pipeline; GPU numbers need a GPU.",
+              flush=True)
     names = args.providers or list(GPU_DEFAULT if cuda else CPU_DEFAULT)
     try:
         workloads = grid_workloads(grids, seqlens=args.seqlens, head_dims=args.head_dims, match=args.match)
@@ -211,9 +219,14 @@ def run(args) -> int:
     print(f"{len(result.records)} measurements, {len(result.skips) + len(unavailable)} skips in "
           f"{(time.perf_counter() - start) / 60:.1f} min -> {summary}", flush=True)
     for r in result.records:
-        if r["provider"].startswith("ours") and r["ratio_to_best_peer"] is not None:
-            print(f"  {r['provider']:12s} {r['workload']:48s} {r['mode']:8s} {r['tflops']:8.3g} TFLOP/s "
-                  f"{r['ratio_to_best_peer']:.2f}x {r['best_peer']}")
+        if not r["provider"].startswith("ours"):
+            continue
+        ratio = f"{r['ratio_to_best_peer']:.2f}x {r['best_peer']}" if r["ratio_to_best_peer"] is not None else ""
+        if r["kv_cache"]:  # memory-bound: device time and bandwidth against the copy
+            print(f"  {r['provider']:12s} {r['workload']:48s} {r['ms_p50'] * 1e3:8.1f} us {r['gbps']:6.0f} GB/s "
+                  f"{r['pct_copy'] or 0:4.0f}% copy {ratio}")
+        elif ratio:
+            print(f"  {r['provider']:12s} {r['workload']:48s} {r['mode']:8s} {r['tflops']:8.3g} TFLOP/s {ratio}")
     if not cuda:
         print("CPU run: these numbers check the pipeline only; GPU numbers need a GPU.")
     return 0 if result.records else 1

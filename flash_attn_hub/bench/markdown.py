@@ -1,6 +1,7 @@
 """``RESULTS.md`` of a run: where and what was measured, a summary of our ratios, GQA/MQA
 backward peak memory against SDPA flash, per grid one TFLOP/s table per mode (workloads x
-providers) and the plots, what was skipped and why, and how everything was counted. Times,
+providers) and the plots (a kv-cache grid: device time, GB/s and %copy per cell, and the eager
+host time per call), what was skipped and why, and how everything was counted. Times,
 percentiles and peak memory of every cell are in ``results.csv``."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import math
 from pathlib import Path
 
 from .plots import MODE_TITLES, versions
+from .timing import Timing
 
 MiB = 1 << 20
 SDPA_FLASH = "sdpa-flash"
@@ -52,7 +54,18 @@ METHOD = """\
 - **Window**: SDPA flash/cuDNN take no mask; `sdpa-efficient-densemask` uses a dense boolean
   mask; `flex` uses a sliding-window block mask.
 - **Decode** (`Sq = 1`): memory-bound, so GB/s (q, k, v read, out written) is listed too.
-"""
+- **KV cache** (`flash_attn_with_kvcache` decode steps: `Sq` new queries over a cache of `Sk`
+  keys per sequence, nothing appended; paged caches hand out their blocks in a random order):
+  ours with its value checks off (`FLASH_ATTN_HUB_CHECK_VALUES=0`), as a serving loop runs it;
+  SDPA cuDNN / flash read the contiguous cache in place (`enable_gqa`, causal lower-right for
+  `Sq > 1`) and have no paged form. Each call is timed inside a CUDA graph ({calls} calls per
+  replay, median of {replays} replays): the device's time, without the host's. GB/s = the K and
+  V bytes a call must read / median time; %copy = that over the bytes read + written per second
+  by a device-to-device copy, measured once per run the same way. Host time: wall time per
+  eager call over {host} back-to-back calls on the smallest cells. The oracle is
+  `kvcache_reference`, on the last sequence. Cells whose K+V exceed a third of the GPU's memory
+  are skipped.
+""".format(calls=Timing.graph_calls, replays=Timing.graph_replays, host=Timing.host_calls)
 
 
 def _fmt(v) -> str:
@@ -99,6 +112,69 @@ def _grid_table(rows: list[dict], value, providers, ours) -> list[str]:
         line += [f"{cells[o]['ratio_to_best_peer']:.2f}x" if o in cells and cells[o]["ratio_to_best_peer"]
                  else "-" for o in ours]
         lines.append(_row(line))
+    return lines
+
+
+def _cache_cells(r: dict) -> list[str]:
+    cache = f"page {r['page_size']}" if r.get("page_size") else "contiguous"
+    return [cache, f"{r['heads_q']}/{r['heads_kv']}", str(r["batch"]),
+            f"{r['seqlen_k'] // 1024}k" if r["seqlen_k"] % 1024 == 0 else str(r["seqlen_k"]), str(r["seqlen_q"])]
+
+
+def _by_workload(rows: list[dict]) -> dict[str, dict[str, dict]]:
+    out: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        out.setdefault(r["workload"], {})[r["provider"]] = r
+    return out
+
+
+def kvcache_tables(rows: list[dict]) -> list[str]:
+    """A kv-cache grid: per cell each provider's device time (us), our GB/s and %copy, the best
+    peer and our ratio to it; then the eager host time per call where it was measured."""
+    providers = _ours_first(r["provider"] for r in rows)
+    ours = [p for p in providers if p.startswith("ours")]
+    copies = sorted({round(r["copy_gbps"]) for r in rows if r.get("copy_gbps")})
+    lines = [f"`flash_attn_with_kvcache` decode steps, device time per call from CUDA-graph replays; "
+             f"device copy {' / '.join(map(str, copies)) or '-'} GB/s (read + write). Ratio: the best "
+             "peer's time over ours (above 1: ours faster).", "",
+             "### Device time (us, median), K+V read (GB/s) and %copy", ""]
+    lines += _header(["cache", "Hq/Hkv", "B", "Sk", "Sq", *[f"{p} us" for p in providers],
+                      *[f"{o} {unit}" for o in ours for unit in ("GB/s", "%copy")], "best peer",
+                      *[f"{o} / best" for o in ours]])
+    for cells in _by_workload(rows).values():
+        any_r = next(iter(cells.values()))
+        line = _cache_cells(any_r) + [_fmt(cells[p]["ms_p50"] * 1e3) if p in cells else "-" for p in providers]
+        for o in ours:
+            r = cells.get(o, {})
+            line += [_fmt(r.get("gbps")) or "-", f"{r['pct_copy']:.0f}" if r.get("pct_copy") else "-"]
+        line.append(any_r["best_peer"] or "-")
+        line += [f"{cells[o]['ratio_to_best_peer']:.2f}x" if o in cells and cells[o]["ratio_to_best_peer"]
+                 else "-" for o in ours]
+        lines.append(_row(line))
+    timed = [r for r in rows if r.get("host_us") is not None]
+    if timed:
+        providers = _ours_first(r["provider"] for r in timed)
+        ours = [p for p in providers if p.startswith("ours")]
+        lines += ["", "### Host time per eager call (us)", "",
+                  "Wall time per call over back-to-back eager calls, where the device finishes each call "
+                  "before the next is issued: what a loop that does not capture CUDA graphs pays per step. "
+                  "Ratio: the fastest peer's host time over ours (above 1: ours cheaper; SDPA has no paged "
+                  "cache, so a paged cell's peer is SDPA on the contiguous cache of the same shape).", ""]
+        lines += _header(["cache", "Hq/Hkv", "B", "Sk", "Sq", *[f"{p} us" for p in providers],
+                          *[f"{o} / fastest peer" for o in ours]])
+        fastest = {}
+        for r in timed:
+            if not r["provider"].startswith("ours"):
+                key = (r["heads_q"], r["heads_kv"], r["batch"], r["seqlen_k"], r["seqlen_q"])
+                fastest[key] = min(fastest.get(key, float("inf")), r["host_us"])
+        for cells in _by_workload(timed).values():
+            any_r = next(iter(cells.values()))
+            # SDPA has no paged cache: a paged cell's peer is SDPA on the same cell's contiguous cache
+            peer = fastest.get((any_r["heads_q"], any_r["heads_kv"], any_r["batch"], any_r["seqlen_k"],
+                                any_r["seqlen_q"]))
+            line = _cache_cells(any_r) + [_fmt(cells[p]["host_us"]) if p in cells else "-" for p in providers]
+            line += [f"{peer / cells[o]['host_us']:.2f}x" if o in cells and peer else "-" for o in ours]
+            lines.append(_row(line))
     return lines
 
 
@@ -178,6 +254,9 @@ def markdown(records: list[dict], skips: list[dict], env: dict, plots: list[Path
     for grid in dict.fromkeys(r["grid"] for r in records):
         lines += [f"## {grid}", ""]
         grid_rows = [r for r in records if r["grid"] == grid]
+        if all(r.get("kv_cache") for r in grid_rows):
+            lines += kvcache_tables(grid_rows) + [""]
+            continue
         for p in plots:
             if p.name.startswith(f"{grid}-"):
                 lines += [f"![{p.stem}]({p.relative_to(page_dir).as_posix()})", ""]

@@ -1,7 +1,8 @@
 """PNG plots of a run: one figure per (grid, head dim), a row of panels per head shape (and
 sequence shape: Sq != Sk, a packed mix), a panel per (mask, mode), TFLOP/s against the key
 sequence length with a line per provider (bars where a row has one length only, e.g. a packed
-batch). GPU and versions are in every title."""
+batch). GPU and versions are in every title. KV-cache steps are tables only (``markdown.py``):
+their measure is bandwidth per cache layout and batch, not TFLOP/s against a length."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ def _mask_title(mask: tuple[bool, int]) -> str:
 
 def plot(out_dir: Path, records: list[dict], env: dict) -> list[Path]:
     """One PNG per (grid, head dim) in ``out_dir``; returns their paths."""
+    records = [r for r in records if not r.get("kv_cache")]
+    if not records:
+        return []
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -9,6 +9,12 @@ changes that users would not pay for (padding a packed batch) happen in ``prepar
 outside the timed closure; free views (``transpose``) happen inside it. A provider that
 cannot run a workload says why (``unsupported``), or fails verification or its first call
 (the runner records the reason); either way it is skipped for that workload only.
+
+KV-cache decode steps (``Workload.kv_cache``) are ``flash_attn_with_kvcache`` calls for the
+flash-attn API packages (ours with its value checks off, as a serving loop runs it; see
+``KV_CHECK_VALUES_ENV``), and for SDPA an attention over the contiguous cache read in place
+(``enable_gqa``, causal lower-right for several new tokens). SDPA has no paged cache, and
+FlexAttention and FlashAttention-4 are not wired to a kv-cache call here: they skip those cells.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ from .. import reference
 from .workloads import Inputs, Workload, visible_pairs
 
 BACKEND_ENV = "FLASH_ATTN_HUB_BACKEND"
+# Our kv-cache entry points check index values on the host unless a CUDA graph is captured
+# (a device-to-host read per eager call); a serving loop turns that off (kvcache.py's
+# [Note: value checks]), and so does the benchmark, so eager host time is the loop's.
+KV_CHECK_VALUES_ENV = "FLASH_ATTN_HUB_CHECK_VALUES"
 GPU_DEFAULT = ("ours-cuda", "ours-triton", "fa4", "sdpa-cudnn", "sdpa-flash", "flex", "flash-attn2", "fa3")
 CPU_DEFAULT = ("ours-cpu", "sdpa-math")
 # ours-auto: the package's own choice per call (what users get); not in the default set, whose
@@ -44,6 +54,15 @@ def flash_attn_forward(module, q, k, v, *, causal: bool, window_size=(-1, -1), c
         result = module.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
     else:
         result = module.flash_attn_func(q, k, v, **kwargs)
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
+def kvcache_forward(module, q, k_cache, v_cache, *, cache_seqlens, block_table=None, causal: bool,
+                    window_size=(-1, -1)) -> torch.Tensor:
+    """One decode step of a flash-attn 2 style ``flash_attn_with_kvcache`` (ours, flash-attn 2,
+    FlashAttention-3): the caches already hold ``cache_seqlens`` keys, none is appended."""
+    result = module.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                            block_table=block_table, causal=causal, window_size=window_size)
     return result[0] if isinstance(result, (tuple, list)) else result
 
 
@@ -104,25 +123,37 @@ class Provider:
 
 
 @contextlib.contextmanager
-def backend_env(value: str):
-    """Force our package's dispatch (read per call) onto one backend."""
-    old = os.environ.get(BACKEND_ENV)
-    os.environ[BACKEND_ENV] = value
+def environ(**values: str):
+    """Set environment variables our package reads per call (its backend, its value checks),
+    restoring them afterwards."""
+    old = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop(BACKEND_ENV, None)
-        else:
-            os.environ[BACKEND_ENV] = old
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 class FlashApi(Provider):
     """A package with flash-attn 2's API (ours, flash-attn 2, FlashAttention-3): native GQA,
-    bottom-right causal, windows and varlen, called through :func:`flash_attn_forward`."""
+    bottom-right causal, windows and varlen, called through :func:`flash_attn_forward`; a
+    kv-cache step through :func:`kvcache_forward`."""
     module = None
 
+    def unsupported(self, w):
+        if w.kv_cache and not hasattr(self.module, "flash_attn_with_kvcache"):
+            return "no flash_attn_with_kvcache"
+        return None
+
     def prepare(self, w, x):
+        if w.kv_cache:
+            call = functools.partial(kvcache_forward, self.module, x.q, x.k, x.v, cache_seqlens=x.cache_seqlens,
+                                     block_table=x.block_table, causal=w.causal, window_size=w.window_size)
+            return Prepared([x.q, x.k, x.v], call)
         call = functools.partial(flash_attn_forward, self.module, x.q, x.k, x.v,
                                  causal=w.causal, window_size=w.window_size)
         if w.varlen:
@@ -135,7 +166,8 @@ class Ours(FlashApi):
 
     The CUDA backend is measured only while it is validated (``_cuda.VALIDATED``: an unvalidated
     kernel may crash the process, ending the whole benchmark), unless it was asked for by name
-    (``explicit``)."""
+    (``explicit``). It has no kv-cache kernel (the package runs those calls on Triton), so
+    ``ours-triton`` alone measures kv-cache steps on a GPU."""
     is_ours = True
 
     def __init__(self, module, backend: str, load_error: str | None = None, explicit: bool = False):
@@ -159,8 +191,13 @@ class Ours(FlashApi):
                         "name ours-cuda in --providers to measure it anyway")
         return None
 
+    def unsupported(self, w):
+        if w.kv_cache and self.backend == "cuda":
+            return "the CUDA backend has no kv-cache kernel (the package runs it on Triton: ours-triton)"
+        return super().unsupported(w)
+
     def context(self):
-        return backend_env(self.backend)
+        return environ(**{BACKEND_ENV: self.backend, KV_CHECK_VALUES_ENV: "0"})
 
 
 def _padding_maps(w: Workload, device, generator):
@@ -207,6 +244,8 @@ class Sdpa(Provider):
         return self.name
 
     def unsupported(self, w):
+        if w.kv_cache and w.page_size:
+            return "SDPA has no paged cache (it reads the contiguous cache in place)"
         if w.windowed and self.kind in ("flash", "cudnn"):
             return f"SDPA {self.kind} takes no mask: a sliding window needs a dense mask"
         if w.gqa and self.kind == "efficient":
@@ -223,7 +262,7 @@ class Sdpa(Provider):
             mask = reference.visible_mask(w.seqlen_q, w.seqlen_k, w.window_left, w.window_size[1],
                                           x.q.device)
         to_provider, to_canonical = _identity, _identity
-        q, k, v = x.q, x.k, x.v
+        q, k, v = x.q, x.k, x.v  # a kv-cache step: the contiguous caches, every position filled
         if w.varlen:  # right padding keeps the score matrix square: valid queries never see padded keys
             gen = torch.Generator(device=x.q.device).manual_seed(7)
             to_provider, to_canonical = _padding_maps(w, x.q.device, gen)
@@ -262,6 +301,9 @@ class Flex(Provider):
 
     def label(self, w):
         return "flex-docmask" if w.varlen else self.name
+
+    def unsupported(self, w):
+        return "no kv-cache call wired for FlexAttention here" if w.kv_cache else None
 
     def _flex(self):
         if self._compiled is None:
@@ -363,6 +405,9 @@ class FlashAttention4(Provider):
             return "flash_attn.cute has no flash_attn_func (not FlashAttention-4)"
         self.api = api
         return None
+
+    def unsupported(self, w):
+        return "no kv-cache call wired for FlashAttention-4 here" if w.kv_cache else None
 
     def prepare(self, w, x):
         left, right = (None if side < 0 else side for side in w.window_size)

@@ -6,6 +6,12 @@ call's inputs), the oracle on a slice (``verify.py``), then per provider: verify
 only if that passes, time each mode with ``timing.quantiles`` (``triton.testing.do_bench``
 median with the 20th/80th percentiles; on CPU a wall-clock loop) and measure the peak
 memory it adds.
+
+KV-cache decode steps are timed with ``timing.graph_quantiles`` instead (CUDA-graph replays:
+the device's time, not the host's), their bandwidth compared with a device copy measured once
+per run (``timing.copy_gbps``); on the cells that ``Workload.host_timed`` names, the eager host
+time per call (``timing.host_ms``) is recorded too. A cell whose K+V exceed a third of the
+GPU's memory is skipped whole.
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ import torch
 from . import verify as verify_mod
 from .env import environment
 from .providers import Provider
-from .timing import Timing, quantiles
+from .timing import Timing, copy_gbps, graph_quantiles, host_ms, quantiles
 from .workloads import DTYPES, Workload, attention_flops, make_inputs
 
 MiB = 1 << 20
 MAX_SETS = 4  # input sets rotated per measurement (small problems)
 ROTATE_BYTES_PER_L2 = 4  # enough sets that their inputs span this many L2s
+KV_MEMORY_SHARE = 1 / 3  # largest K+V of a kv-cache cell, as a share of the GPU's memory: room for the
+# oracle's slice of the cache, SDPA's workspace and the allocator's slack
 
 
 @dataclasses.dataclass
@@ -84,8 +92,10 @@ def _mode_closure(mode: str, prepared: list, seed: int):
     return Rotator(fns), leaves
 
 
-def make_record(w: Workload, provider: str, mode: str, dtype: str, ms, peak, errors, env) -> dict:
-    """One long-format record; ``ratio_to_best_peer`` is filled in by :func:`add_ratios`."""
+def make_record(w: Workload, provider: str, mode: str, dtype: str, ms, peak, errors, env, *,
+                copy: float | None = None, host: float | None = None) -> dict:
+    """One long-format record; ``ratio_to_best_peer`` is filled in by :func:`add_ratios`.
+    kv-cache steps: ``copy`` the run's device copy GB/s, ``host`` eager host ms per call."""
     p20, p50, p80 = ms
     flops = attention_flops(w, mode)
     record = {
@@ -94,16 +104,24 @@ def make_record(w: Workload, provider: str, mode: str, dtype: str, ms, peak, err
         "heads_q": w.heads_q, "heads_kv": w.heads_kv, "head_dim": w.head_dim, "causal": w.causal,
         "window_left": w.window_left, "window_right": w.window_size[1], "varlen": w.varlen, "mix": w.mix or None,
         "num_seqs": len(w.seqlens) if w.varlen else w.batch, "total_tokens_q": w.total_tokens_q,
+        "kv_cache": w.kv_cache, "page_size": w.page_size if w.kv_cache else None,
         "flops": flops, "ms_p20": p20, "ms_p50": p50, "ms_p80": p80,
         "tflops": flops / (p50 * 1e-3) / 1e12, "ratio_to_best_peer": None, "best_peer": None,
         "peak_mem_bytes": peak,
-        "gbps": None,
+        "gbps": None, "copy_gbps": None, "pct_copy": None, "host_us": None,
         "verify_err_out": errors.get("out"),
         "verify_err_grad": max((errors[k] for k in ("dq", "dk", "dv") if k in errors), default=None),
     }
     if w.grid == "decode" and mode == "fwd":  # memory-bound: bytes of q, k, v read and out written
         moved = 2 * w.head_dim * (2 * w.batch * w.seqlen_q * w.heads_q + 2 * w.batch * w.seqlen_k * w.heads_kv)
         record["gbps"] = moved / (p50 * 1e-3) / 1e9
+    if w.kv_cache:  # memory-bound: the K and V bytes the step must read
+        record["gbps"] = w.cache_elements * DTYPES[dtype].itemsize / (p50 * 1e-3) / 1e9
+        if copy:
+            record["copy_gbps"] = copy
+            record["pct_copy"] = 100 * record["gbps"] / copy
+        if host is not None:
+            record["host_us"] = host * 1e3
     record.update(env)
     return record
 
@@ -174,20 +192,37 @@ def _input_sets(w: Workload, device, dtype) -> list:
     l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 4 * MiB
     count = max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES_PER_L2 * l2 / first.nbytes)))
     sets = [first] + [make_inputs(w, device=device, dtype=dtype, seed=i) for i in range(1, count)]
-    for x in sets:
-        for t in (x.q, x.k, x.v):
-            t.requires_grad_()
+    if not w.kv_cache:  # a cache is read, never differentiated
+        for x in sets:
+            for t in (x.q, x.k, x.v):
+                t.requires_grad_()
     return sets
 
 
+def too_large(w: Workload, device, dtype) -> str | None:
+    """Why a kv-cache cell does not fit this GPU (see ``KV_MEMORY_SHARE``), else None."""
+    if not w.kv_cache or device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    if w.cache_elements * dtype.itemsize > KV_MEMORY_SHARE * total:
+        return f"K+V over {KV_MEMORY_SHARE:.0%} of this GPU's memory"
+    return None
+
+
 def run_workload(w: Workload, providers: list[Provider], modes, *, device, dtype, dtype_name,
-                 timing: Timing, env: dict, progress: Progress) -> tuple[list[dict], list[Skip]]:
-    """Verify and time every provider on one workload."""
+                 timing: Timing, env: dict, progress: Progress,
+                 copy: float | None = None) -> tuple[list[dict], list[Skip]]:
+    """Verify and time every provider on one workload (``copy``: the run's device copy GB/s,
+    for kv-cache steps)."""
     records, skips = [], []
     modes = [m for m in modes if m in w.modes]
+    reason = too_large(w, device, dtype)
+    if reason:
+        progress.write(f"skip {w.name}: {reason}")
+        return records, [Skip("all", w.name, "all", reason)]
     sets = _input_sets(w, device, dtype)
     with_grads = any(m != "fwd" for m in modes)
-    exp = verify_mod.expected(w, sets[0].q, sets[0].k, sets[0].v, with_grads=with_grads)
+    exp = verify_mod.expected(w, sets[0], with_grads=with_grads)
     for provider in providers:
         label = provider.label(w)
         progress.step(f"{w.name} {label}")
@@ -223,9 +258,14 @@ def run_workload(w: Workload, providers: list[Provider], modes, *, device, dtype
                     fn, grads = _mode_closure(mode, prepared, seed=100)
                     with torch.set_grad_enabled(mode != "fwd"):
                         fn()  # compile / autotune outside the timed region
-                        ms = quantiles(fn, device=device, grad_to_none=grads, timing=timing)
+                        if w.kv_cache:
+                            ms = graph_quantiles(fn, device=device, timing=timing)
+                        else:
+                            ms = quantiles(fn, device=device, grad_to_none=grads, timing=timing)
+                        host = host_ms(fn, device=device, timing=timing) if w.host_timed else None
                         peak = peak_memory(fn, device=device, grad_to_none=grads)
-                    records.append(make_record(w, label, mode, dtype_name, ms, peak, errors, env))
+                    records.append(make_record(w, label, mode, dtype_name, ms, peak, errors, env, copy=copy,
+                                               host=host))
                 except Exception as err:
                     skip(mode, _reason(err))
                 finally:
@@ -259,6 +299,7 @@ class SuiteResult:
     skips: list[Skip]
     env: dict
     seconds: dict[str, float]  # wall time per measured workload
+    copy_gbps: float | None = None  # device copy, read + write (measured when kv-cache steps run)
 
 
 def run_suite(workloads, providers, modes, *, device, dtype_name="bf16", timing=None, ours_module=None,
@@ -273,12 +314,16 @@ def run_suite(workloads, providers, modes, *, device, dtype_name="bf16", timing=
     env = env or environment(device, ours_module)
     usable, skips = available(providers, device)
     result = SuiteResult([], skips, env, {})
+    if any(w.kv_cache for w in workloads):
+        result.copy_gbps = copy_gbps(device, timing=timing)
+        print(f"device copy: {result.copy_gbps:.0f} GB/s (read + write)", flush=True)
+        _free(device)
     bar = Progress(len(workloads) * len(usable), enabled=progress)
     try:
         for w in workloads:
             t0 = time.perf_counter()
             got, skipped = run_workload(w, usable, modes, device=device, dtype=dtype, dtype_name=dtype_name,
-                                        timing=timing, env=env, progress=bar)
+                                        timing=timing, env=env, progress=bar, copy=result.copy_gbps)
             result.records += got
             result.skips += skipped
             result.seconds[w.name] = round(time.perf_counter() - t0, 2)

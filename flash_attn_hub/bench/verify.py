@@ -8,6 +8,10 @@ identical to the full problem's. For gradients, the upstream gradient is zero ou
 the slice, so dK/dV of the sliced kv heads receive contributions from the sliced rows
 and heads only, which the oracle computes exactly from the slice.
 
+A kv-cache step is checked against ``kvcache_reference`` on the same kind of slice: the last
+sequence's query rows and heads, its kv heads of the cache (for a paged cache every block,
+so the oracle follows that sequence's block-table row itself).
+
 The tolerance is the project's rule (STYLE.md): a provider's relative error against the
 float64 oracle may be at most twice PyTorch's own error in the same low precision.
 """
@@ -18,7 +22,7 @@ import dataclasses
 import torch
 
 from .. import reference as ref
-from .workloads import Workload
+from .workloads import Inputs, Workload
 
 ROWS = 128
 
@@ -78,14 +82,16 @@ class Expected:
     lowp: dict[str, torch.Tensor]
 
 
-def expected(w: Workload, q, k, v, *, with_grads: bool) -> Expected:
+def expected(w: Workload, x: Inputs, *, with_grads: bool) -> Expected:
     """Run the oracle on the slice of one canonical input set."""
+    if w.kv_cache:
+        return _kvcache_expected(w, x)
     sl = make_slice(w)
-    qs, ks, vs = sl.take_q(q), sl.take_kv(k), sl.take_kv(v)
-    gen = torch.Generator(device=q.device).manual_seed(1234)
-    dout = torch.randn(qs.shape, generator=gen, device=q.device).to(q.dtype) if with_grads else None
+    qs, ks, vs = sl.take_q(x.q), sl.take_kv(x.k), sl.take_kv(x.v)
+    gen = torch.Generator(device=x.q.device).manual_seed(1234)
+    dout = torch.randn(qs.shape, generator=gen, device=x.q.device).to(x.q.dtype) if with_grads else None
     results = {}
-    for label, dtype in (("ref64", torch.float64), ("lowp", q.dtype)):
+    for label, dtype in (("ref64", torch.float64), ("lowp", x.q.dtype)):
         leaves = [t.detach().to(dtype).unsqueeze(0).requires_grad_(with_grads) for t in (qs, ks, vs)]
         with torch.enable_grad():
             out, _ = ref.attention_reference(*leaves, causal=w.causal, window_size=w.window_size,
@@ -96,6 +102,25 @@ def expected(w: Workload, q, k, v, *, with_grads: bool) -> Expected:
                 got.update(dq=grads[0][0], dk=grads[1][0], dv=grads[2][0])
         results[label] = got
     return Expected(sl, dout, results["ref64"], results["lowp"])
+
+
+def _kvcache_expected(w: Workload, x: Inputs) -> Expected:
+    """``kvcache_reference`` (forward only) on the slice of a kv-cache step."""
+    sl = make_slice(w)
+    b, (first, last) = sl.batch, sl.q_rows
+    kv_heads = sl.kv_heads.to(x.k.device)
+    q = x.q[b:b + 1, first:last].index_select(2, sl.q_heads.to(x.q.device))
+    if x.block_table is None:
+        k_cache, v_cache = (t[b:b + 1].index_select(2, kv_heads) for t in (x.k, x.v))
+        table = None
+    else:
+        k_cache, v_cache = (t.index_select(2, kv_heads) for t in (x.k, x.v))
+        table = x.block_table[b:b + 1]
+    results = {label: {"out": ref.kvcache_reference(q, k_cache, v_cache, cache_seqlens=x.cache_seqlens[b:b + 1],
+                                                    block_table=table, causal=w.causal,
+                                                    window_size=w.window_size, dtype=dtype)["out"][0]}
+               for label, dtype in (("ref64", torch.float64), ("lowp", x.q.dtype))}
+    return Expected(sl, None, results["ref64"], results["lowp"])
 
 
 def check(name: str, got: dict[str, torch.Tensor], exp: Expected) -> dict[str, float]:

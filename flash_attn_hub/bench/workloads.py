@@ -10,12 +10,18 @@ Glossary:
           causal forces right = 0
   mode    "fwd", "bwd" (backward only, forward graph built outside the timed region),
           "fwd_bwd" (both: a training step's attention)
+  kv_cache  a decode step of ``flash_attn_with_kvcache``: Sq new queries (1, or a few for
+          multi-token decode) over a cache holding Sk keys per sequence, nothing appended
+  page    kv_cache: the cache's page size (blocks in shuffled order, as a long-running server
+          leaves them); 0 = a contiguous ``(B, Sk, Hkv, D)`` cache
 
 FLOPs, the way FlashAttention's papers, Triton's tutorial and tritonbench count: forward
 ``4 * B * Hq * Sq * Sk * D``, halved for a causal square (Sq == Sk) score matrix; every other
 masked case (causal with Sq != Sk, sliding windows, packed documents) counts the visible
 (query, key) pairs exactly. Backward is 2.5x the forward, forward+backward 3.5x. GQA counts
-query heads. Every grid but decode holds 16k tokens per batch (B = 16384 / S).
+query heads. Every grid but decode and kvcache holds 16k tokens per batch (B = 16384 / S).
+A kv-cache decode step is memory-bound: what counts there is the K and V bytes it must read
+(:attr:`Workload.cache_elements`), per second.
 """
 
 from __future__ import annotations
@@ -48,6 +54,27 @@ class Workload:
     seqlens: tuple[int, ...] | None = None  # varlen: document lengths (q and k alike)
     mix: str = ""  # varlen: the length distribution the documents were drawn from (LENGTH_MIXES)
     modes: tuple[str, ...] = MODES
+    kv_cache: bool = False  # a flash_attn_with_kvcache decode step over Sk cached keys
+    page_size: int = 0  # kv_cache: keys per page of a paged cache; 0 = contiguous
+
+    @property
+    def cache_layout(self) -> str:
+        """``"page16"``, ``"contiguous"`` for a kv-cache workload, else ``""``."""
+        if not self.kv_cache:
+            return ""
+        return f"page{self.page_size}" if self.page_size else "contiguous"
+
+    @property
+    def cache_elements(self) -> int:
+        """K and V elements a kv-cache call must read: ``2 * B * Sk * Hkv * D``."""
+        return 2 * self.batch * self.seqlen_k * self.heads_kv * self.head_dim
+
+    @property
+    def host_timed(self) -> bool:
+        """Whether the eager host time per call is measured too: single-token kv-cache steps
+        of one sequence over the shortest cache, where the device finishes a call long before
+        the host issues the next one (on larger cells back-to-back calls wait for the GPU)."""
+        return self.kv_cache and self.batch == 1 and self.seqlen_q == 1 and self.seqlen_k <= 4096
 
     @property
     def varlen(self) -> bool:
@@ -79,6 +106,8 @@ class Workload:
             shape = f"b{self.batch}-s{self.seqlen_q}"
         else:
             shape = f"b{self.batch}-sq{self.seqlen_q}-sk{self.seqlen_k}"
+        if self.kv_cache:
+            shape += f"-{self.cache_layout}"
         mask = "causal" if self.causal else "full"
         if self.windowed:
             mask += f"-w{self.window_left}.{self.window_size[1]}"
@@ -89,7 +118,8 @@ class Workload:
         """Workloads that differ only in sequence length (one line per provider in a plot)."""
         heads = f"Hq/Hkv={self.heads_q}/{self.heads_kv}"
         mix = f" {self.mix}" if self.varlen and self.mix else ""
-        return f"{self.grid}{mix} D={self.head_dim} {heads}"
+        cache = f" {self.cache_layout} B={self.batch} Sq={self.seqlen_q}" if self.kv_cache else ""
+        return f"{self.grid}{mix} D={self.head_dim} {heads}{cache}"
 
 
 def visible_pairs(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int) -> int:
@@ -183,6 +213,36 @@ def _grid_decode():
                for sk in (4096, 16384)])
 
 
+def _kv_step(batch, seqlen_k, heads, page_size, seqlen_q=1, grid="kvcache", head_dim=128):
+    return Workload(grid, batch, seqlen_q, seqlen_k, *heads, head_dim, True, modes=("fwd",), kv_cache=True,
+                    page_size=page_size)
+
+
+def _kvcache_cells(quick: bool):
+    """Decode steps of ``flash_attn_with_kvcache``, bf16, D=128: GQA 32/8 and Llama's 64/8, paged
+    (pages of 16 and 64 keys) and contiguous caches, B 1..128 over 4k..128k cached keys (the
+    runner skips cells whose K+V exceed a third of the GPU's memory); then multi-token decode
+    (Sq 4/8/16, causal; speculative decoding's verification step) at GQA 32/8. ``quick``: the
+    corners of the same cells, in a few minutes."""
+    heads_list = [(32, 8)] if quick else [(32, 8), (64, 8)]
+    pages = (16, 0) if quick else (16, 64, 0)
+    batches = (1, 32) if quick else (1, 8, 32, 128)
+    lengths = (4096, 32768) if quick else (4096, 32768, 131072)
+    cells = [_kv_step(b, sk, heads, page) for heads in heads_list for page in pages
+             for b in batches for sk in lengths]
+    return cells + [_kv_step(b, sk, (32, 8), page, seqlen_q=sq) for sq in ((4, 16) if quick else (4, 8, 16))
+                    for page in (16, 0) for b in (1, 8) for sk in (4096, 32768)]
+
+
+def _grid_kvcache():
+    return _kvcache_cells(quick=False)
+
+
+def _grid_kvcache_quick():
+    """A subset of ``kvcache`` (same names: a page may hold both)."""
+    return _kvcache_cells(quick=True)
+
+
 def _grid_window():
     """A 4k causal sliding window (Mistral-style), MHA and GQA 32/8."""
     return [_square("window", s, 128, h, True, hkv=hkv, window_left=4095, window_right=0)
@@ -201,14 +261,32 @@ def _grid_cpu():
     ]
 
 
+def _grid_cpu_kvcache():
+    """The kv-cache grid's kinds of cells, tiny, for a machine without a GPU: contiguous and
+    paged (pages of 16, a partial last page) caches, one and several new tokens."""
+    return [_kv_step(b, sk, (4, 2), page, seqlen_q=sq, grid="cpu-kvcache", head_dim=64)
+            for page in (16, 0) for b, sk, sq in ((1, 200, 1), (3, 100, 1), (2, 150, 4))]
+
+
 GRIDS = {
     "main": _grid_main,
     "varlen": _grid_varlen,
     "decode": _grid_decode,
     "window": _grid_window,
+    "kvcache": _grid_kvcache,
+    "kvcache-quick": _grid_kvcache_quick,
     "cpu": _grid_cpu,
+    "cpu-kvcache": _grid_cpu_kvcache,
 }
-ALL_GRIDS = ("main", "varlen", "decode", "window")  # what "all" means: every GPU grid
+ALL_GRIDS = ("main", "varlen", "decode", "window", "kvcache")  # what "all" means: every GPU grid
+CPU_GRIDS = ("cpu", "cpu-kvcache")
+
+
+def cpu_stand_ins(names) -> list[str]:
+    """The tiny CPU grids that stand in for ``names`` on a machine without a GPU: the
+    kv-cache grids' is ``cpu-kvcache``, every other grid's ``cpu``."""
+    return list(dict.fromkeys(n if n in CPU_GRIDS else "cpu-kvcache" if n.startswith("kvcache") else "cpu"
+                              for n in names))
 
 
 def grid_names(spec) -> list[str]:
@@ -228,7 +306,7 @@ def grid_workloads(name, *, seqlens=None, head_dims=None, match=None) -> list[Wo
     """The workloads of grid ``name`` (a name, ``"all"`` = ``ALL_GRIDS``, or several
     comma-separated), optionally restricted to the given key sequence lengths (``Sk``), head
     dims, and names matching the regular expression ``match``."""
-    out = [w for n in grid_names(name) for w in GRIDS[n]()]
+    out = list({w.name: w for n in grid_names(name) for w in GRIDS[n]()}.values())  # kvcache-quick in kvcache
     if seqlens:
         out = [w for w in out if w.seqlen_k in seqlens]
     if head_dims:
@@ -241,11 +319,16 @@ def grid_workloads(name, *, seqlens=None, head_dims=None, match=None) -> list[Wo
 @dataclasses.dataclass
 class Inputs:
     """One random input set in the canonical layout: batched q ``(B, Sq, Hq, D)``,
-    k/v ``(B, Sk, Hkv, D)``; varlen q/k/v ``(T, H, D)`` with int32 ``cu_seqlens``."""
+    k/v ``(B, Sk, Hkv, D)``; varlen q/k/v ``(T, H, D)`` with int32 ``cu_seqlens``; kv-cache:
+    q ``(B, Sq, Hq, D)``, k/v the caches (contiguous ``(B, Sk, Hkv, D)``, or paged
+    ``(num_blocks, page, Hkv, D)`` with an int32 ``block_table (B, pages)``) and int32
+    ``cache_seqlens (B,)``."""
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     cu_seqlens: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    cache_seqlens: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -253,12 +336,24 @@ class Inputs:
 
 
 def make_inputs(w: Workload, *, device, dtype, seed: int) -> Inputs:
-    """Fresh standard-normal q, k, v (never zeros) from a generator seeded with ``seed``."""
+    """Fresh standard-normal q, k, v (never zeros) from a generator seeded with ``seed``; a
+    paged cache's blocks are handed out in a random order."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
+    if w.kv_cache:
+        q = randn(w.batch, w.seqlen_q, w.heads_q, w.head_dim)
+        seqlens = torch.full((w.batch,), w.seqlen_k, dtype=torch.int32, device=device)
+        if not w.page_size:
+            shape = (w.batch, w.seqlen_k, w.heads_kv, w.head_dim)
+            return Inputs(q, randn(*shape), randn(*shape), cache_seqlens=seqlens)
+        pages = math.ceil(w.seqlen_k / w.page_size)
+        table = torch.randperm(w.batch * pages, generator=gen, device=device).to(torch.int32)
+        shape = (w.batch * pages, w.page_size, w.heads_kv, w.head_dim)
+        return Inputs(q, randn(*shape), randn(*shape), block_table=table.view(w.batch, pages),
+                      cache_seqlens=seqlens)
     if w.varlen:
         total = w.total_tokens_q
         cu = torch.tensor([0, *np.cumsum(w.seqlens).tolist()], dtype=torch.int32, device=device)
