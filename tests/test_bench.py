@@ -16,8 +16,8 @@ import torch
 
 from flash_attn_hub.bench import env as bench_env
 from flash_attn_hub.bench import report, runner, timing
-from flash_attn_hub.bench.providers import (KV_CHECK_VALUES_ENV, FlashAttention4, Flex, Ours, Prepared, Sdpa,
-                                            make_providers, sdpa_forward)
+from flash_attn_hub.bench.providers import (KV_CHECK_VALUES_ENV, FlashAttention4, FlashAttnPackage, Flex, Ours,
+                                            Prepared, Sdpa, make_providers, sdpa_forward)
 from flash_attn_hub.bench.workloads import (ALL_GRIDS, Workload, attention_flops, cpu_stand_ins, grid_names,
                                             grid_workloads, make_inputs, packed_lengths, visible_pairs)
 from flash_attn_hub.reference import attention_reference, kvcache_reference, visible_mask
@@ -164,6 +164,7 @@ def test_kvcache_providers_call_flash_attn_with_kvcache_and_sdpa_in_place(monkey
     assert "no flash_attn_with_kvcache" in Ours(types.SimpleNamespace(), "triton").unsupported(w)
     assert "paged" in Sdpa("cudnn").unsupported(w)
     assert Flex().unsupported(w) and FlashAttention4().unsupported(w)
+    assert FlashAttnPackage("fa3", "flash_attn_interface").unsupported(w)
     contiguous = dataclasses.replace(w, page_size=0)
     xc = make_inputs(contiguous, device="cpu", dtype=torch.float64, seed=1)
     assert Sdpa("cudnn").unsupported(contiguous) is None
@@ -405,7 +406,8 @@ def test_tiny_cpu_kvcache_suite_end_to_end(flash_attn, tmp_path):
     tables, and the CSV read back exactly."""
     workloads = grid_workloads("cpu-kvcache")
     providers = make_providers(["ours-cpu", "sdpa-math"], flash_attn) + [
-        _AlteredOurs(flash_attn, "wrong", _scaled_q), _AlteredOurs(flash_attn, "unshuffled", _blocks_in_storage_order, paged_only=True)]
+        _AlteredOurs(flash_attn, "wrong", _scaled_q),
+        _AlteredOurs(flash_attn, "unshuffled", _blocks_in_storage_order, paged_only=True)]
     result = runner.run_suite(workloads, providers, ["fwd", "bwd"], device=torch.device("cpu"),
                               timing=timing.Timing(warmup_ms=1, rep_ms=3, host_calls=5), ours_module=flash_attn,
                               progress=False)

@@ -58,13 +58,13 @@ METHOD = """\
   keys per sequence, nothing appended; paged caches hand out their blocks in a random order):
   ours with its value checks off (`FLASH_ATTN_HUB_CHECK_VALUES=0`), as a serving loop runs it;
   SDPA cuDNN / flash read the contiguous cache in place (`enable_gqa`, causal lower-right for
-  `Sq > 1`) and have no paged form. Each call is timed inside a CUDA graph ({calls} calls per
-  replay, median of {replays} replays): the device's time, without the host's. GB/s = the K and
-  V bytes a call must read / median time; %copy = that over the bytes read + written per second
-  by a device-to-device copy, measured once per run the same way. Host time: wall time per
-  eager call over {host} back-to-back calls on the smallest cells. The oracle is
-  `kvcache_reference`, on the last sequence. Cells whose K+V exceed a third of the GPU's memory
-  are skipped.
+  `Sq > 1`) and have no paged form; the other peers are not wired to a kv-cache call. Each
+  call is timed inside a CUDA graph ({calls} calls per replay, median of {replays} replays):
+  the device's time, without the host's. GB/s = the K and V bytes a call must read / median
+  time; %copy = that over the bytes read + written per second by a device-to-device copy,
+  measured once per run the same way. Host time: wall time per eager call over {host}
+  back-to-back calls on the smallest cells. The oracle is `kvcache_reference`, on the last
+  sequence. Cells whose K+V exceed a third of the GPU's memory are skipped.
 """.format(calls=Timing.graph_calls, replays=Timing.graph_replays, host=Timing.host_calls)
 
 
@@ -95,15 +95,19 @@ def _header(head: list[str]) -> list[str]:
     return [_row(head), "|" + "---|" * len(head)]
 
 
+def _by_workload(rows: list[dict]) -> dict[str, dict[str, dict]]:
+    out: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        out.setdefault(r["workload"], {})[r["provider"]] = r
+    return out
+
+
 def _grid_table(rows: list[dict], value, providers, ours) -> list[str]:
     """One row per workload, one column per provider (``value`` of its record), then the
     best peer and our ratios to it (TFLOP/s)."""
     lines = _header(["D", "Hq/Hkv", "B", "Sq", "Sk", "mask", *providers, "best peer",
                      *[f"{o} / best" for o in ours]])
-    by_workload: dict[str, dict[str, dict]] = {}
-    for r in rows:
-        by_workload.setdefault(r["workload"], {})[r["provider"]] = r
-    for cells in by_workload.values():
+    for cells in _by_workload(rows).values():
         any_r = next(iter(cells.values()))
         line = [str(any_r["head_dim"]), f"{any_r['heads_q']}/{any_r['heads_kv']}", str(any_r["batch"]),
                 str(any_r["seqlen_q"]), str(any_r["seqlen_k"]), _mask(any_r)]
@@ -119,13 +123,6 @@ def _cache_cells(r: dict) -> list[str]:
     cache = f"page {r['page_size']}" if r.get("page_size") else "contiguous"
     return [cache, f"{r['heads_q']}/{r['heads_kv']}", str(r["batch"]),
             f"{r['seqlen_k'] // 1024}k" if r["seqlen_k"] % 1024 == 0 else str(r["seqlen_k"]), str(r["seqlen_q"])]
-
-
-def _by_workload(rows: list[dict]) -> dict[str, dict[str, dict]]:
-    out: dict[str, dict[str, dict]] = {}
-    for r in rows:
-        out.setdefault(r["workload"], {})[r["provider"]] = r
-    return out
 
 
 def kvcache_tables(rows: list[dict]) -> list[str]:

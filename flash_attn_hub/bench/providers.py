@@ -10,11 +10,11 @@ outside the timed closure; free views (``transpose``) happen inside it. A provid
 cannot run a workload says why (``unsupported``), or fails verification or its first call
 (the runner records the reason); either way it is skipped for that workload only.
 
-KV-cache decode steps (``Workload.kv_cache``) are ``flash_attn_with_kvcache`` calls for the
-flash-attn API packages (ours with its value checks off, as a serving loop runs it; see
-``KV_CHECK_VALUES_ENV``), and for SDPA an attention over the contiguous cache read in place
-(``enable_gqa``, causal lower-right for several new tokens). SDPA has no paged cache, and
-FlexAttention and FlashAttention-4 are not wired to a kv-cache call here: they skip those cells.
+KV-cache decode steps (``Workload.kv_cache``) are ``flash_attn_with_kvcache`` calls for ours
+(value checks off, as a serving loop runs it; see ``KV_CHECK_VALUES_ENV``), and for SDPA an
+attention over the contiguous cache read in place (``enable_gqa``, causal lower-right for
+several new tokens). SDPA has no paged cache, and the other peers are not wired to a kv-cache
+call here: they skip those cells.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def flash_attn_forward(module, q, k, v, *, causal: bool, window_size=(-1, -1), c
 
 def kvcache_forward(module, q, k_cache, v_cache, *, cache_seqlens, block_table=None, causal: bool,
                     window_size=(-1, -1)) -> torch.Tensor:
-    """One decode step of a flash-attn 2 style ``flash_attn_with_kvcache`` (ours, flash-attn 2,
-    FlashAttention-3): the caches already hold ``cache_seqlens`` keys, none is appended."""
+    """One decode step through a flash-attn 2 style ``flash_attn_with_kvcache`` (ours): the
+    caches already hold ``cache_seqlens`` keys, none is appended."""
     result = module.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                                             block_table=block_table, causal=causal, window_size=window_size)
     return result[0] if isinstance(result, (tuple, list)) else result
@@ -141,13 +141,8 @@ def environ(**values: str):
 class FlashApi(Provider):
     """A package with flash-attn 2's API (ours, flash-attn 2, FlashAttention-3): native GQA,
     bottom-right causal, windows and varlen, called through :func:`flash_attn_forward`; a
-    kv-cache step through :func:`kvcache_forward`."""
+    kv-cache step (ours) through :func:`kvcache_forward`."""
     module = None
-
-    def unsupported(self, w):
-        if w.kv_cache and not hasattr(self.module, "flash_attn_with_kvcache"):
-            return "no flash_attn_with_kvcache"
-        return None
 
     def prepare(self, w, x):
         if w.kv_cache:
@@ -194,7 +189,9 @@ class Ours(FlashApi):
     def unsupported(self, w):
         if w.kv_cache and self.backend == "cuda":
             return "the CUDA backend has no kv-cache kernel (the package runs it on Triton: ours-triton)"
-        return super().unsupported(w)
+        if w.kv_cache and not hasattr(self.module, "flash_attn_with_kvcache"):
+            return "this build has no flash_attn_with_kvcache"
+        return None
 
     def context(self):
         return environ(**{BACKEND_ENV: self.backend, KV_CHECK_VALUES_ENV: "0"})
@@ -382,6 +379,11 @@ class FlashAttnPackage(FlashApi):
             return f"`{self.module_name}` has no flash_attn_func"
         self.module = module
         return None
+
+    def unsupported(self, w):
+        # FlashAttention-3 names the block table page_table and flash-attn 2 wants pages of 256
+        # keys: not wired here.
+        return f"no kv-cache call wired for {self.name} here" if w.kv_cache else None
 
 
 class FlashAttention4(Provider):
