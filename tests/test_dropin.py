@@ -461,3 +461,42 @@ def test_attn_probs_report_the_gpu_kernels_mask(flash_attn):
     assert_matches_reference({"out": out}, q, k, v, dropout_p=0.2, seed=seed, causal=True)
     dropped = _reference_dropped(seed, 2, 4, 33, 47, 0.2).to("cuda")
     assert torch.equal(torch.signbit(s_dmask), dropped)
+
+
+# -- rows past the last sequence (padded varlen batches) ---------------------------------------
+
+@pytest.mark.kernels_ci
+def test_varlen_rows_past_the_last_sequence(flash_attn):
+    """[Note: rows past the last sequence]: q and k/v may have more rows than cu_seqlens covers
+    (transformers' continuous batching pads batches to a fixed token count for its CUDA graphs,
+    as flash-attn 2 allows): the owned rows equal the unpadded call's bitwise, the others are
+    rows that see no key (out 0, lse +inf) and get zero gradients."""
+    torch.manual_seed(7)
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv([5, 9], [7, 11], 4, 2, 16)
+    pad_q, pad_k = 6, 3
+    qp = torch.cat([q, torch.randn(pad_q, *q.shape[1:], dtype=q.dtype)]).requires_grad_()
+    kp = torch.cat([k, torch.randn(pad_k, *k.shape[1:], dtype=k.dtype)]).requires_grad_()
+    vp = torch.cat([v, torch.randn(pad_k, *v.shape[1:], dtype=v.dtype)]).requires_grad_()
+    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse, _ = flash_attn.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, max_q, max_k,
+                                                    causal=True, return_attn_probs=True)
+    ref, ref_lse, _ = flash_attn.flash_attn_varlen_func(qr, kr, vr, cu_q, cu_k, max_q, max_k,
+                                                        causal=True, return_attn_probs=True)
+    rows = q.shape[0]
+    assert torch.equal(out[:rows], ref) and torch.equal(lse[:, :rows], ref_lse)
+    assert torch.equal(out[rows:], torch.zeros_like(out[rows:]))
+    assert torch.isposinf(lse[:, rows:]).all()
+    dout = torch.randn_like(out)
+    torch.autograd.backward(out, dout)
+    torch.autograd.backward(ref, dout[:rows])
+    for padded, plain, owned in ((qp, qr, rows), (kp, kr, k.shape[0]), (vp, vr, k.shape[0])):
+        assert torch.equal(padded.grad[:owned], plain.grad)
+        assert torch.equal(padded.grad[owned:], torch.zeros_like(padded.grad[owned:]))
+
+
+@pytest.mark.kernels_ci
+def test_varlen_cu_seqlens_past_the_rows_is_refused(flash_attn):
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv([5, 9], [7, 11], 4, 2, 16)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q: got last element 14; expected at most "
+                                         r"the number of rows \(13\)"):
+        flash_attn.flash_attn_varlen_func(q[:13], k, v, cu_q, cu_k, max_q, max_k)

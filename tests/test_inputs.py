@@ -147,7 +147,7 @@ VARLEN = [
                                                                   dtype=torch.int32),
                                         cu_seqlens_q=cu_seqlens([3, 4, 0])),
      ValueError, "cu_seqlens_k"),
-    ("cu_q_end", lambda: _varlen(cu_seqlens_q=cu_seqlens([3, 3])), ValueError,
+    ("cu_q_end", lambda: _varlen(cu_seqlens_q=cu_seqlens([3, 5])), ValueError,
      "cu_seqlens_q"),
     ("cu_k_device", lambda: _varlen(cu_seqlens_k=torch.zeros(3, dtype=torch.int32,
                                                               device="meta")), ValueError,

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _dispatch
+from . import _dispatch, _validate
 from ._ops import add_op_namespace_prefix
 from ._params import AttnParams
 
@@ -47,6 +47,33 @@ def _new_output(shape, dtype, device) -> Tensor:
     if os.environ.get(ENV_POISON) == "1":
         t.fill_(math.nan)
     return t
+
+
+# [Note: rows past the last sequence] A varlen call may hand q (k, v) more rows than its last
+# cu_seqlens entry covers: transformers' continuous batching pads its batches to a fixed token
+# count so one CUDA graph serves every step, as flash-attn 2 allows. No sequence owns those
+# rows, so no backend writes them: here they become rows that see no key (out 0, lse -inf
+# before the public conversion) and their gradients 0. Eager calls read the last entry from the
+# validation's host copy (no extra sync) and clear nothing when the rows are all owned; inside
+# a compile trace or a CUDA-graph capture the value is unknown and a device-side mask clears
+# the tail.
+def _clear_rows_past(cu: Optional[Tensor], pairs) -> None:
+    """Fills rows ``>= cu[-1]`` (dim ``dim``) of each ``(tensor, dim, value)`` in place."""
+    if cu is None:
+        return
+    rows = pairs[0][0].shape[pairs[0][1]]
+    if not (torch.compiler.is_compiling() or _validate.capturing(cu)):
+        last = _validate.host_values(cu)[-1]
+        if last >= rows:
+            return
+        for t, dim, value in pairs:
+            t.narrow(dim, last, rows - last).fill_(value)
+        return
+    past = torch.arange(rows, device=cu.device) >= cu[-1]
+    for t, dim, value in pairs:
+        shape = [1] * t.dim()
+        shape[dim] = rows
+        t.masked_fill_(past.view(shape), value)
 
 
 def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]):
@@ -86,6 +113,7 @@ def _fwd_body(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
     forward = _select("forward", q, k, v, cu_seqlens_q, s_aux, alibi_slopes, params)
     forward(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             s_aux=s_aux, alibi_slopes=alibi_slopes, params=params)
+    _clear_rows_past(cu_seqlens_q, [(out, 0, 0.0), (lse, 1, -math.inf)])
     return out, lse
 
 
@@ -125,6 +153,8 @@ def _bwd_body(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     backward(dout, q, k, v, out, lse, dq, dk, dv, None if s_aux is None else ds_aux,
              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, s_aux=s_aux,
              alibi_slopes=alibi_slopes, params=params)
+    _clear_rows_past(cu_seqlens_q, [(dq, 0, 0.0)])
+    _clear_rows_past(cu_seqlens_k, [(dk, 0, 0.0), (dv, 0, 0.0)])
     return dq, dk, dv, ds_aux
 
 

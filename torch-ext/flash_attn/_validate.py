@@ -71,6 +71,17 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device is capturing a CUDA graph on the current stream (no value of a
+    device tensor can be read then)."""
+    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def host_values(t: torch.Tensor) -> list:
+    """The public name of :func:`_host_values` (for the ops, after validation)."""
+    return _host_values(t)
+
+
 def _host_values(t: torch.Tensor) -> list:
     """``t.tolist()``, copied from the device at most once per distinct tensor (see Note)."""
     if t.device.type == "cpu":
@@ -296,7 +307,7 @@ def _check_cu_seqlens(name: str, cu, total: int, q) -> list | None:
         _fail(ValueError, name, f"shape {tuple(cu.shape)}", "a 1-d tensor of shape (batch + 1,)")
     if cu.device != q.device:
         _fail(ValueError, name, f"device {cu.device}", f"the device of q ({q.device})")
-    if _compiling():
+    if _compiling() or capturing(cu):
         return None
     values = _host_values(cu)
     if values[0] != 0:
@@ -305,9 +316,9 @@ def _check_cu_seqlens(name: str, cu, total: int, q) -> list | None:
         if values[b + 1] < values[b]:
             _fail(ValueError, name, f"a decrease at index {b + 1} ({values[b]} -> {values[b + 1]})",
                   "non-decreasing cumulative sequence lengths")
-    if values[-1] != total:
+    if values[-1] > total:
         _fail(ValueError, name, f"last element {values[-1]}",
-              f"the total number of tokens ({total})")
+              f"at most the number of rows ({total}); rows past it belong to no sequence")
     return values
 
 
