@@ -465,23 +465,36 @@ def test_attn_probs_report_the_gpu_kernels_mask(flash_attn):
 
 # -- rows past the last sequence (padded varlen batches) ---------------------------------------
 
-@pytest.mark.kernels_ci
-def test_varlen_rows_past_the_last_sequence(flash_attn):
+ROWS_PAST_CASES = [
+    pytest.param("cpu", None, marks=pytest.mark.kernels_ci, id="cpu"),
+    pytest.param("cuda", "cuda", marks=pytest.mark.gpu, id="cuda"),
+    pytest.param("cuda", "triton", marks=pytest.mark.gpu, id="triton"),
+]
+
+
+@pytest.mark.parametrize("device, backend", ROWS_PAST_CASES)
+def test_varlen_rows_past_the_last_sequence(flash_attn, monkeypatch, device, backend):
     """[Note: rows past the last sequence]: q and k/v may have more rows than cu_seqlens covers
     (transformers' continuous batching pads batches to a fixed token count for its CUDA graphs,
     as flash-attn 2 allows): the owned rows equal the unpadded call's bitwise, the others are
-    rows that see no key (out 0, lse +inf) and get zero gradients."""
+    rows that see no key (out 0, lse +inf) and get zero gradients. On the GPU each backend runs
+    it in deterministic mode, so the two calls' gradients are comparable bit for bit."""
+    if backend:
+        monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", backend)
     torch.manual_seed(7)
-    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv([5, 9], [7, 11], 4, 2, 16)
+    head_dim = 16 if device == "cpu" else 64
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv([5, 9], [7, 11], 4, 2, head_dim,
+                                                        device=device)
     pad_q, pad_k = 6, 3
-    qp = torch.cat([q, torch.randn(pad_q, *q.shape[1:], dtype=q.dtype)]).requires_grad_()
-    kp = torch.cat([k, torch.randn(pad_k, *k.shape[1:], dtype=k.dtype)]).requires_grad_()
-    vp = torch.cat([v, torch.randn(pad_k, *v.shape[1:], dtype=v.dtype)]).requires_grad_()
+    pad = dict(dtype=q.dtype, device=device)
+    qp = torch.cat([q, torch.randn(pad_q, *q.shape[1:], **pad)]).requires_grad_()
+    kp = torch.cat([k, torch.randn(pad_k, *k.shape[1:], **pad)]).requires_grad_()
+    vp = torch.cat([v, torch.randn(pad_k, *v.shape[1:], **pad)]).requires_grad_()
     qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out, lse, _ = flash_attn.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, max_q, max_k,
-                                                    causal=True, return_attn_probs=True)
+    kw = dict(causal=True, return_attn_probs=True, deterministic=device != "cpu")
+    out, lse, _ = flash_attn.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, max_q, max_k, **kw)
     ref, ref_lse, _ = flash_attn.flash_attn_varlen_func(qr, kr, vr, cu_q, cu_k, max_q, max_k,
-                                                        causal=True, return_attn_probs=True)
+                                                        **kw)
     rows = q.shape[0]
     assert torch.equal(out[:rows], ref) and torch.equal(lse[:, :rows], ref_lse)
     assert torch.equal(out[rows:], torch.zeros_like(out[rows:]))

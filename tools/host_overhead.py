@@ -10,6 +10,11 @@ negligible, so ``calls / wall time`` is the host's rate. Per provider it prints:
   named function by function.
 
     python3 -m tools.host_overhead --kernel-dir build [--out host.json]
+    python3 -m tools.host_overhead --kernel-dir build --kvcache [--seqlen-k 4096]
+
+``--kvcache`` times a decode step instead: ``flash_attn_with_kvcache`` appending one token to a
+contiguous and a page-16 cache (value checks on and off), against SDPA reading the same
+contiguous cache, and profiles ours.
 
 Its clock is the host's own (``time.perf_counter`` around many back-to-back calls), not the
 benchmark's timer: ``do_bench`` flushes the L2 before each call, which gives the GPU work that
@@ -86,11 +91,15 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--profile-lines", type=int, default=30)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--kvcache", action="store_true",
+                        help="a decode step of flash_attn_with_kvcache (B=1, Sq=1)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("tools.host_overhead needs a CUDA GPU")
         return 2
     fa = load_local_kernel(args.kernel_dir)
+    if args.kvcache:
+        return kvcache_main(fa, args)
 
     hq, hkv = (int(x) for x in args.heads.split("/"))
     sq, sk, d = args.seqlen, args.seqlen_k or args.seqlen, args.head_dim
@@ -143,6 +152,60 @@ def main() -> int:
         print(f"  {name:20s} eager {eager:8.1f} us   graph {graph_text} us")
         results["rows"].append({"provider": name, "eager_us": eager, "graph_us": graph})
     for name in ("ours-cuda fwd", "ours-triton fwd", "ours-cuda fwd+bwd"):
+        text = profile_text(providers[name], 500, args.profile_lines)
+        print(f"\ncProfile of 500 calls, {name}:\n{text}")
+        results[f"profile {name}"] = text
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+def kvcache_main(fa, args) -> int:
+    hq, hkv = (int(x) for x in args.heads.split("/"))
+    sk, d, page = args.seqlen_k or 4096, args.head_dim, 16
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(1, 1, hq, d, device=dev, dtype=dt)
+    k_new, v_new = (torch.randn(1, 1, hkv, d, device=dev, dtype=dt) for _ in range(2))
+    k_cache, v_cache = (torch.randn(1, sk + 1, hkv, d, device=dev, dtype=dt) for _ in range(2))
+    blocks = -(-(sk + 1) // page)
+    k_pages, v_pages = (torch.randn(blocks, page, hkv, d, device=dev, dtype=dt) for _ in range(2))
+    table = torch.randperm(blocks, device=dev, dtype=torch.int32).view(1, blocks)
+    seqlens = torch.full((1,), sk, dtype=torch.int32, device=dev)
+    qt = q.transpose(1, 2)
+    kt, vt = (c[:, :sk].transpose(1, 2) for c in (k_cache, v_cache))
+
+    def ours(paged: bool, checks: bool):
+        def call():
+            os.environ["FLASH_ATTN_HUB_CHECK_VALUES"] = "1" if checks else "0"
+            if paged:
+                return fa.flash_attn_with_kvcache(q, k_pages, v_pages, k_new, v_new,
+                                                  cache_seqlens=seqlens, block_table=table)
+            return fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                              cache_seqlens=seqlens)
+        return call
+
+    def sdpa(backend):
+        def call():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=hq != hkv)
+        return call
+
+    providers = {
+        "ours contiguous": ours(False, False), "ours page-16": ours(True, False),
+        "ours contiguous, checks": ours(False, True), "ours page-16, checks": ours(True, True),
+        "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+        "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
+    }
+    shape = f"decode B=1 Sq=1 Sk={sk} H={hq}/{hkv} D={d} bf16, one new token"
+    print(f"host time per call, {shape}, {args.calls} calls ({torch.cuda.get_device_name()})")
+    results = {"shape": shape, "gpu": torch.cuda.get_device_name(), "rows": []}
+    for name, fn in providers.items():
+        eager = per_call_us(fn, args.calls)
+        graph = graph_us(fn, args.calls) if "checks" not in name else None
+        graph_text = f"{graph:8.1f}" if graph is not None else "       -"
+        print(f"  {name:26s} eager {eager:8.1f} us   graph {graph_text} us")
+        results["rows"].append({"provider": name, "eager_us": eager, "graph_us": graph})
+    for name in ("ours contiguous", "ours page-16"):
         text = profile_text(providers[name], 500, args.profile_lines)
         print(f"\ncProfile of 500 calls, {name}:\n{text}")
         results[f"profile {name}"] = text
