@@ -224,6 +224,33 @@ def test_accepted_edge_values(flash_attn):
                                       alibi_slopes=torch.ones(3, 2))
 
 
+@pytest.mark.kernels_ci
+def test_scalar_memo_never_hides_a_bad_value(flash_attn, monkeypatch):
+    """[Note: scalar memo]: a good call's scalars are reused, yet the same value of another type,
+    or a bad value after good ones, is still checked and refused."""
+    validate = submodule(flash_attn, "_validate")
+    calls = []
+    checked = validate.memo_plain_scalars(lambda a, *, b: calls.append((a, b)) or (a, b))
+    assert checked(1, b=(2, 3)) == (1, (2, 3)) and checked(1, b=(2, 3)) == (1, (2, 3))
+    assert len(calls) == 1  # the second call was a hit
+    checked(True, b=(2, 3))  # True == 1, but not the same type: checked again
+    checked(1, b=[2, 3])
+    checked(np.int64(1), b=(2, 3))  # not plain: never memoised
+    checked(np.int64(1), b=(2, 3))
+    assert len(calls) == 5
+    for _ in range(2):  # a good call is memoised, then bad values still raise every time
+        flash_attn.flash_attn_func(**_batched(causal=True, softcap=0.0, window_size=(-1, -1)))
+    def reached(*args, **kwargs):
+        raise AssertionError("a backend was reached with a bad value")
+
+    monkeypatch.setattr(submodule(flash_attn, "_dispatch"), "select_backend", reached)
+    for bad, exc in (dict(causal=1), TypeError), (dict(softcap=math.nan), ValueError), (
+            dict(window_size=(-2, 0)), ValueError), (dict(softmax_scale=0.0), ValueError):
+        for _ in range(2):
+            with pytest.raises(exc):
+                flash_attn.flash_attn_func(**_batched(**bad))
+
+
 # -- backend selection --------------------------------------------------------------------
 
 @pytest.mark.kernels_ci

@@ -203,6 +203,55 @@ def _window(window_size, causal: bool) -> tuple:
     return left, right
 
 
+# [Note: scalar memo] A training step or a decode loop passes the same plain Python scalars on
+# every call; their checks (~20 frames) are a measurable share of a short call's host time. A
+# call whose scalars are all plain (exactly bool, int, float, None, or a tuple/list of ints)
+# reuses the checked result of an earlier call with the same values and types. Anything else
+# (a tensor, a numpy scalar, a symbolic value inside a trace) is checked every time, and a
+# rejected value is never stored, so every bad input still raises.
+_PLAIN = (bool, int, float, type(None))
+_MEMO_SIZE = 512
+
+
+def _plain_key(values: tuple):
+    """A hashable, type-exact key of ``values``, or None when one is not plain."""
+    key = []
+    for value in values:
+        kind = type(value)
+        if kind in _PLAIN:
+            key.append((kind, value))
+        elif kind in (tuple, list) and all(type(x) is int for x in value):
+            key.append((kind, tuple(value)))
+        else:
+            return None
+    return tuple(key)
+
+
+def memo_plain_scalars(fn):
+    """``fn`` (of scalars only, positional or keyword) memoised on plain values ([Note: scalar
+    memo]); outside a torch.compile trace only."""
+    memo: dict = {}
+
+    def wrapper(*args, **kwargs):
+        names = tuple(sorted(kwargs))
+        key = None if _compiling() else _plain_key(args + tuple(kwargs[n] for n in names))
+        if key is None:
+            return fn(*args, **kwargs)
+        key = (names, key)
+        hit = memo.get(key)
+        if hit is None:
+            hit = fn(*args, **kwargs)
+            if len(memo) >= _MEMO_SIZE:
+                memo.clear()
+            memo[key] = hit
+        return hit
+
+    wrapper.__wrapped__ = fn
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+@memo_plain_scalars
 def _scalar_params(head_dim, *, dropout_p, softmax_scale, causal, window_size, softcap,
                    deterministic, max_seqlen_q: int, max_seqlen_k: int) -> AttnParams:
     causal = flag("causal", causal)

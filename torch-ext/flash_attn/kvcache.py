@@ -307,9 +307,10 @@ def _check_cache_values(*, batch: int, seqlen_new: int, capacity: int, cache_seq
         _report_bad_table(bad, block_table, num_blocks)
 
 
-def _scalars(q: Tensor, *, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+@_validate.memo_plain_scalars
+def _scalars(head_dim: int, *, softmax_scale, causal, window_size, softcap, rotary_interleaved,
              num_splits, max_seqlen_q: int, max_seqlen_k: int) -> KvCacheParams:
-    attn = _validate._scalar_params(q.shape[-1], dropout_p=0.0, softmax_scale=softmax_scale,
+    attn = _validate._scalar_params(head_dim, dropout_p=0.0, softmax_scale=softmax_scale,
                                     causal=causal, window_size=window_size, softcap=softcap,
                                     deterministic=False, max_seqlen_q=max_seqlen_q,
                                     max_seqlen_k=max_seqlen_k)
@@ -442,7 +443,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if not paged and cache_batch_idx is None and k_cache.shape[0] < batch:
         _fail(ValueError, "k_cache", f"{k_cache.shape[0]} cache rows",
               f"at least one per sequence of q ({batch}), or cache_batch_idx")
-    params = _scalars(q, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+    params = _scalars(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                       softcap=softcap, rotary_interleaved=rotary_interleaved,
                       num_splits=num_splits, max_seqlen_q=q.shape[1], max_seqlen_k=capacity)
     return_softmax_lse = _validate.flag("return_softmax_lse", return_softmax_lse)
@@ -495,7 +496,7 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                                        for t in (q, k_cache, v_cache, s_aux)):
         _fail(ValueError, "block_table", "a paged call on tensors that require grad",
               "no gradient: paged attention is forward only (run it under torch.no_grad())")
-    params = _scalars(q, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+    params = _scalars(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                       softcap=softcap, rotary_interleaved=True, num_splits=0,
                       max_seqlen_q=max_q, max_seqlen_k=min(max_k, capacity))
     s_aux = _validate._check_s_aux(s_aux, q)
