@@ -272,10 +272,15 @@ def test_triton_matches_oracle(flash_attn, triton_device, name):
     run_case(flash_attn, CASES[name], device=triton_device)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 5])
-def test_triton_splits_match_oracle_and_repeat_bitwise(flash_attn, triton_device, num_splits):
+@pytest.mark.parametrize("num_splits, combine_chunk", [(1, None), (2, None), (5, None), (5, 2)])
+def test_triton_splits_match_oracle_and_repeat_bitwise(flash_attn, triton_device, monkeypatch,
+                                                       num_splits, combine_chunk):
     """Forced splits (more splits than some sequences have key blocks, too), each combined in
-    a fixed order: the same call twice gives the same bits."""
+    a fixed order: the same call twice gives the same bits. ``combine_chunk`` narrows the
+    combine's split tile so that it reads the splits in several chunks."""
+    if combine_chunk:
+        monkeypatch.setattr(submodule(flash_attn, "_triton.common"), "COMBINE_BLOCK_S",
+                            combine_chunk)
     case = Case(page_size=16, lengths=(40, 3, 70), seqlen_new=2, seqlen_q=2, sink=True)
     run_case(flash_attn, case, device=triton_device, num_splits=num_splits)
     torch.manual_seed(1)

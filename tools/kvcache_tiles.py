@@ -88,7 +88,7 @@ def main() -> int:
                        cu_seqlens_k=None, alibi_slopes=None, s_aux=None, params=params,
                        tiles=tiles)
 
-        rule = kv.tiles_for(128, group * seqlen_q, q.device)
+        rule = kv.tiles_for(128, group * seqlen_q, q.device, page_size=page)
         rows = math.ceil(group * seqlen_q / rule.block_m)
         rule_splits = heur.kvcache_splits(batch=batch, heads_kv=heads[1], row_blocks=rows,
                                           max_keys=keys, block_n=rule.block_n, device=q.device)

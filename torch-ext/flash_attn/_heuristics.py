@@ -262,11 +262,15 @@ def backward_prefers_triton(q: torch.Tensor, k: torch.Tensor, params: AttnParams
 # The Triton KV-cache attention (``_triton/kvcache.py``)
 # ---------------------------------------------------------------------------------------------
 
-# Not timed yet (the decode rule's reasoning): split each sequence's keys so the grid holds
-# about KVCACHE_PROGRAMS_PER_SM programs per SM, every split at least KVCACHE_MIN_SPLIT_BLOCKS
-# key blocks of the longest possible sequence, as the combine's launch and its pass over the
-# partials must pay for themselves.
-KVCACHE_PROGRAMS_PER_SM = 4
+# Split each sequence's keys so the grid holds about KVCACHE_PROGRAMS_PER_SM programs per SM,
+# every split at least KVCACHE_MIN_SPLIT_BLOCKS key blocks of the longest possible sequence. Two
+# a SM, not more: a 16 x 64 tile stages 72 KB of shared memory, so three programs fit on an SM
+# and a grid of four per SM runs in two waves. Measured on an H100 (tools/kvcache_tiles.py,
+# GQA 32/8, D=128, bf16, every split count against the rule's): the fastest split count of
+# every cell was the one two programs per SM give (B=1 over 32k/128k keys, contiguous and
+# page 16: 32 splits, 1.3-1.8x faster than 64; B=8 Sq=16 over 32k: 4 splits, 1.3x faster
+# than 9; B=32 over 4k: 2 splits, 1.04x faster than 3).
+KVCACHE_PROGRAMS_PER_SM = 2
 KVCACHE_MIN_SPLIT_BLOCKS = 4
 KVCACHE_MAX_SPLITS = 64
 

@@ -15,16 +15,12 @@ The regular forward runs one program per (query block, query head): at Sq = 1 it
 one real row of BLOCK_M, and B * Hq programs each walk every key alone (at 4k-128k keys most of
 the GPU idles). Here B * Hkv * NUM_SPLITS programs share the keys (batched, or varlen as
 transformers' generate calls it for padded batches), each running the forward's own key loop
-(``common.inner_loop``: the same score hooks and band masks) over its range; ``_combine_kernel``
-then merges a row's splits in a fixed order, so the result does not depend on timing. Which
+(``common.inner_loop``: the same score hooks and band masks) over its range;
+``common.combine_kernel`` then merges a row's splits in a fixed order, so the result does not depend on timing. Which
 calls run here is ``_heuristics.split_applies``'s rule, applied by the dispatcher.
 
-[Note: combining splits] Split s holds ``O_s = sum_j p_j v_j / l_s`` and
-``L_s = m_s + log2(l_s)``. With ``top = max(max_s L_s, sink)`` the row's denominator is
-``den = sum_s 2^(L_s - top) (+ 2^(sink - top))`` and ``out = sum_s 2^(L_s - top) O_s / den``,
-``lse = (top + log2(den)) * ln 2``. A split that saw no key has ``L_s = -inf`` and weight 0; a
-row that saw none gets out 0 and lse -inf, or lse = s_aux with a sink ([Note: sinks and empty
-rows] in ``fwd``). ``top`` is replaced by 0 while it is -inf, so no NaN forms.
+Each split writes its partial output and lse for ``common.combine_kernel`` ([Note: combining
+splits] there).
 """
 
 from __future__ import annotations
@@ -37,8 +33,8 @@ import triton.language as tl
 
 from .._heuristics import num_splits_for
 from .._params import AttnParams
-from .common import (LOG2E, LaunchShape, inner_loop, key_block_range, sequence_bounds,
-                     shared_arguments)
+from .common import (LOG2E, LaunchShape, combine_splits, inner_loop, key_block_range,
+                     sequence_bounds, shared_arguments)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,51 +128,6 @@ def _split_kernel(
     tl.store(LSE_PART + idx, lse2, mask=r_ok)
 
 
-@triton.jit
-def _combine_kernel(
-        O_PART, LSE_PART, O, LSE, S_AUX,
-        stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-        seqlen_q_batched, num_heads_q, num_splits,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-        IS_VARLEN: tl.constexpr, HAS_SINK: tl.constexpr):
-    """One program per (token, query head): [Note: combining splits]."""
-    row = tl.program_id(0).to(tl.int64)  # token * Hq + head
-    token = row // num_heads_q
-    head = row % num_heads_q
-    if IS_VARLEN:  # out (Tq, Hq, D) and lse (Hq, Tq): the token is the row
-        batch = token * 0
-        i = token
-    else:
-        batch = token // seqlen_q_batched
-        i = token % seqlen_q_batched
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < num_splits
-    d_ok = offs_d < HEAD_DIM
-    lse2 = tl.load(LSE_PART + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))
-    top = tl.max(lse2, 0)
-    if HAS_SINK:
-        sink = tl.load(S_AUX + head) * LOG2E
-        top = tl.maximum(top, sink)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    den = tl.sum(tl.exp2(lse2 - top), 0)
-    if HAS_SINK:
-        den += tl.exp2(sink - top)
-    # one split's D values at a time, in split order (the same sum on every run)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s in range(num_splits):
-        weight = tl.exp2(tl.load(LSE_PART + row * num_splits + s) - top)
-        part = tl.load(O_PART + (row * num_splits + s) * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
-        acc += weight * part
-    has_mass = den > 0.0
-    den_safe = tl.where(has_mass, den, 1.0)
-    out = acc / den_safe
-    lse = tl.where(has_mass, (top + tl.log2(den_safe)) / LOG2E, float("-inf"))
-    tl.store(O + batch * stride_ob + i * stride_os + head * stride_oh + offs_d,
-             out.to(O.dtype.element_ty), mask=d_ok)
-    tl.store(LSE + batch * stride_lb + head * stride_lh + i * stride_ls, lse)
-
-
 def forward(q, k, v, out, lse, *, s_aux, alibi_slopes, params: AttnParams,
             cu_seqlens_q=None, cu_seqlens_k=None, num_splits: int | None = None) -> None:
     """The split-KV forward of a call that ``_heuristics.split_kv_applies`` to; same contract
@@ -205,9 +156,7 @@ def forward(q, k, v, out, lse, *, s_aux, alibi_slopes, params: AttnParams,
         GROUP=group, IS_VARLEN=shape.varlen, HAS_WINDOW_LEFT=flags["HAS_WINDOW_LEFT"],
         HAS_WINDOW_RIGHT=flags["HAS_WINDOW_RIGHT"], SOFTCAP=flags["SOFTCAP"],
         HAS_ALIBI=flags["HAS_ALIBI"], num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _combine_kernel[(rows,)](
-        o_part, lse_part, out, lse, s_aux, *shape.seq_strides(out), *shape.lse_strides(lse),
-        shape.seqlen_q, shape.heads_q, splits, HEAD_DIM=flags["HEAD_DIM"],
-        BLOCK_D=flags["BLOCK_D"], BLOCK_S=max(2, triton.next_power_of_2(splits)),
-        IS_VARLEN=shape.varlen, HAS_SINK=s_aux is not None,
-        num_warps=4 if shape.head_dim > 64 else 2)
+    combine_splits(o_part, lse_part, out, lse, s_aux, o_strides=shape.seq_strides(out),
+                   l_strides=shape.lse_strides(lse), seqlen_q_batched=shape.seqlen_q,
+                   heads_q=shape.heads_q, splits=splits, head_dim=shape.head_dim,
+                   varlen=shape.varlen)

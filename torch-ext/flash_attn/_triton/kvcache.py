@@ -30,7 +30,7 @@ Glossary (see also ``common``):
 
 Two launches, or three: ``_append_kernel`` writes the new keys (rotated) and values into the
 cache, ``_attend_kernel`` attends over the cache (writing the output directly when there is one
-split), and ``_combine_kernel`` merges the splits in a fixed order, so a result never depends
+split), and ``common.combine_kernel`` merges the splits in a fixed order, so a result never depends
 on timing. Nothing is read from the device on the host and every buffer's size follows from
 shapes, so a call can be captured in a CUDA graph.
 
@@ -48,9 +48,7 @@ ROTARY_DIM / 2)``; dims past ROTARY_DIM keep ``cos = 1, sin = 0``. Computed in f
 to the input dtype (the cache holds rounded keys; the queries are rounded before the product,
 as flash-attn 2 does). A position past the table is clamped to its last row.
 
-[Note: combining splits] as ``decode``: ``top = max(max_s L_s, sink)``, weights
-``2^(L_s - top)``, ``den = sum_s 2^(L_s - top) (+ 2^(sink - top))``; a row with no key gets out
-0 and lse -inf (or the sink's logit).
+Splits are merged by ``common.combine_kernel`` ([Note: combining splits] there).
 """
 
 from __future__ import annotations
@@ -63,7 +61,8 @@ import triton.language as tl
 
 from .._heuristics import hopper_or_later, kvcache_splits
 from .._params import KvCacheParams
-from .common import LOG2E, key_block_range, score_constants, scores_log2, visible
+from .common import (LOG2E, combine_splits, key_block_range, score_constants, scores_log2,
+                     visible)
 from .tuning import block_d_for
 
 
@@ -77,22 +76,33 @@ class KvTiles:
     reason: str
 
 
-def tiles_for(head_dim: int, packed_rows: int, device: torch.device) -> KvTiles:
-    """Tiles by head dim and packed rows (GROUP * Sq); none timed on a GPU yet. BLOCK_M is the
-    packed rows rounded up to a power of two between 16 (``tl.dot``'s minimum) and 64 (32 above
-    D=128); 64 keys per step up to D=128, 32 above. ptxas sm90 (bf16, paged, causal; 3 stages):
-    16 x 64 rows x keys at D=128 with 4 warps 168 registers, 40 KB shared memory, no spills;
-    64 x 64 with 4 warps 236 registers, with 8 warps 150 (so 8 warps from 64 rows); D=256
-    16 x 32 156, 32 x 32 <= 212. Three stages on Hopper (up to ~150 KB shared memory at D=256),
-    two elsewhere (sm86/sm89 have 99 KB). The interpreter takes 16 x 16, so small tests cross
-    row blocks, key blocks and pages."""
+def tiles_for(head_dim: int, packed_rows: int, device: torch.device, *,
+              page_size: int = 0) -> KvTiles:
+    """Tiles by head dim, packed rows (GROUP * Sq) and page size (0: a contiguous cache).
+    BLOCK_M is the packed rows rounded up to a power of two between 16 (``tl.dot``'s minimum)
+    and 64 (32 above D=128). Keys per step: 64 up to D=128, 32 above; a paged cache whose
+    pages do not hold whole 64-key blocks (the per-key gather) takes 128 at D <= 128.
+
+    Measured on an H100 (tools/kvcache_tiles.py, GQA 32/8, D=128, bf16, at the best split
+    count of each): 4 warps were fastest or within 2% in every cell (8 warps at 64 rows cost
+    1.25x at B=8 Sq=16); with pages of 16 keys, 128-key steps read 1.08-1.19x faster than 64
+    (B=1 over 32k with 2 stages, B=8 Sq=16 with 3); contiguous caches were level (within 2%)
+    for 32, 64 and 128 keys and 2-4 stages. ptxas sm90 (bf16, paged, causal; 3 stages): 16 x
+    64 at D=128 with 4 warps 168 registers, 40 KB shared memory, no spills; 64 x 64 with 4
+    warps 236; D=256 16 x 32 156, 32 x 32 <= 212. Three stages on Hopper, two elsewhere
+    (sm86/sm89 have 99 KB). The interpreter takes 16 x 16, so small tests cross row blocks,
+    key blocks and pages."""
     if device.type != "cuda":
         return KvTiles(16, 16, 1, 1, "interpreter: small tiles")
     block_m = max(16, min(triton.next_power_of_2(max(packed_rows, 1)),
                           64 if head_dim <= 128 else 32))
-    stages = 3 if hopper_or_later(device) else 2
-    return KvTiles(block_m, 64 if head_dim <= 128 else 32, 8 if block_m >= 64 else 4, stages,
-                   "ptxas-checked, not timed")
+    hopper = hopper_or_later(device)
+    stages = 3 if hopper else 2
+    block_n = 64 if head_dim <= 128 else 32
+    if page_size and page_size % block_n and head_dim <= 128 and hopper:
+        block_n = 128
+        stages = 3 if block_m >= 64 else 2
+    return KvTiles(block_m, block_n, 4, stages, "measured on an H100")
 
 
 @triton.jit
@@ -348,53 +358,6 @@ def _attend_kernel(
         tl.store(LSE + l_rows + heads * stride_lh, lse, mask=r_ok)
 
 
-@triton.jit
-def _combine_kernel(
-        O_PART, LSE_PART, O, LSE, S_AUX,
-        stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-        seqlen_q_batched, num_heads_q, num_splits,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-        BLOCK_S: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SINK: tl.constexpr):
-    """One program per (token, BLOCK_H query heads): [Note: combining splits], splits summed in
-    index order."""
-    token = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = heads < num_heads_q
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    part_rows = (token * num_heads_q + heads) * num_splits  # (BLOCK_H,)
-    lse2 = tl.load(LSE_PART + part_rows[:, None] + offs_s[None, :],
-                   mask=h_ok[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"))
-    top = tl.max(lse2, 1)
-    if HAS_SINK:
-        sink = tl.load(S_AUX + heads, mask=h_ok, other=0.0) * LOG2E
-        top = tl.maximum(top, sink)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    den = tl.sum(tl.exp2(lse2 - top[:, None]), 1)
-    if HAS_SINK:
-        den += tl.exp2(sink - top)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s in range(num_splits):
-        weight = tl.exp2(tl.load(LSE_PART + part_rows + s, mask=h_ok, other=float("-inf"))
-                         - top)
-        part = tl.load(O_PART + (part_rows + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                       mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-        acc += weight[:, None] * part
-    has_mass = den > 0.0
-    den_safe = tl.where(has_mass, den, 1.0)
-    lse = tl.where(has_mass, (top + tl.log2(den_safe)) / LOG2E, float("-inf"))
-    if IS_VARLEN:
-        o_row = token * stride_os
-        l_row = token * stride_ls
-    else:
-        o_row = (token // seqlen_q_batched) * stride_ob + (token % seqlen_q_batched) * stride_os
-        l_row = (token // seqlen_q_batched) * stride_lb + (token % seqlen_q_batched) * stride_ls
-    tl.store(O + o_row + heads[:, None] * stride_oh + offs_d[None, :],
-             (acc / den_safe[:, None]).to(O.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + l_row + heads * stride_lh, lse, mask=h_ok)
-
-
 def _append(k_cache, v_cache, k, v, *, block_table, cache_seqlens, cache_batch_idx, rotary_cos,
             rotary_sin, params: KvCacheParams) -> None:
     batch, seqlen_new, heads_kv, head_dim = k.shape
@@ -436,7 +399,8 @@ def forward(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cach
     tokens = q.shape[0] if varlen else q.shape[0] * q.shape[1]
     if tokens == 0 or batch == 0:
         return
-    cfg = tiles or tiles_for(head_dim, group * params.max_seqlen_q, q.device)
+    cfg = tiles or tiles_for(head_dim, group * params.max_seqlen_q, q.device,
+                             page_size=k_cache.shape[1] if paged else 0)
     row_blocks = triton.cdiv(group * params.max_seqlen_q, cfg.block_m)
     splits = params.num_splits or kvcache_splits(
         batch=batch, heads_kv=heads_kv, row_blocks=row_blocks, max_keys=params.max_seqlen_k,
@@ -477,9 +441,6 @@ def forward(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cach
         HAS_SINK=s_aux is not None, SPLIT=splits > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
-        block_h = min(triton.next_power_of_2(heads_q), max(1, 2048 // block_d))
-        _combine_kernel[(tokens, triton.cdiv(heads_q, block_h))](
-            o_part, lse_part, out, lse, s_aux, *o_strides, *l_strides,
-            0 if varlen else q.shape[1], heads_q, splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_H=block_h, BLOCK_S=max(2, triton.next_power_of_2(splits)),
-            IS_VARLEN=varlen, HAS_SINK=s_aux is not None, num_warps=4)
+        combine_splits(o_part, lse_part, out, lse, s_aux, o_strides=o_strides,
+                       l_strides=l_strides, seqlen_q_batched=0 if varlen else q.shape[1],
+                       heads_q=heads_q, splits=splits, head_dim=head_dim, varlen=varlen)
