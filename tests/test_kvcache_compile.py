@@ -32,7 +32,9 @@ from triton.runtime.jit import JITFunction, native_specialize_impl  # noqa: E402
 
 SOURCE_PACKAGE = Path(__file__).resolve().parents[1] / "torch-ext" / "flash_attn"
 SHARED_LIMIT = {90: 232448, 80: 166912}  # bytes of shared memory a block may use
-KERNELS = ("_append_kernel", "_attend_kernel", "_combine_kernel")
+# (module, kernel) of every launch a kv-cache call with new keys and splits makes, in order
+KERNELS = (("kvcache", "_append_kernel"), ("kvcache", "_attend_kernel"),
+           ("common", "combine_kernel"))
 
 
 def _modules():
@@ -103,18 +105,20 @@ def check(label: str, arch: int) -> list[str]:
     """Records the launches of ``CASES[label]`` and compiles them for ``sm<arch>``; returns the
     problems found (an empty list when there are none)."""
     kernel, params_type = _modules()
+    modules = {"kvcache": kernel, "common": sys.modules[kernel.__package__ + ".common"]}
     calls = []
-    originals = {name: getattr(kernel, name) for name in KERNELS + ("hopper_or_later",)}
-    for name in KERNELS:
-        setattr(kernel, name, _Recorder(originals[name], calls))
+    originals = {(m, name): getattr(modules[m], name)
+                 for m, name in KERNELS + (("kvcache", "hopper_or_later"),)}
+    for m, name in KERNELS:
+        setattr(modules[m], name, _Recorder(originals[m, name], calls))
     kernel.hopper_or_later = lambda device: arch >= 90
     try:
         _launch(kernel, params_type, label, calls)
     finally:
-        for name, value in originals.items():
-            setattr(kernel, name, value)
+        for (m, name), value in originals.items():
+            setattr(modules[m], name, value)
     problems = []
-    if [fn.fn.__name__ for fn, _, _ in calls] != list(KERNELS):
+    if [fn.fn.__name__ for fn, _, _ in calls] != [name for _, name in KERNELS]:
         problems.append(f"launched {[fn.fn.__name__ for fn, _, _ in calls]}")
     for fn, args, kwargs in calls:
         name = fn.fn.__name__
@@ -143,7 +147,8 @@ def _launch(kernel, params_type, label: str, calls: list) -> None:
                          window_right=0 if causal else -1, softcap=features.get("softcap", 0.0),
                          rotary_interleaved=False, num_splits=3, max_seqlen_q=seqlen_q,
                          max_seqlen_k=capacity)
-    tiles = kernel.tiles_for(dim, heads_q // heads_kv * seqlen_q, torch.device("cuda"))
+    tiles = kernel.tiles_for(dim, heads_q // heads_kv * seqlen_q, torch.device("cuda"),
+                             page_size=page_size or 0)
     kernel.forward(
         q, cache, cache.clone(), torch.empty_like(q), torch.empty(batch, heads_q, seqlen_q),
         k=k, v=k.clone(), rotary_cos=rotary, rotary_sin=rotary, block_table=table,

@@ -262,15 +262,17 @@ def backward_prefers_triton(q: torch.Tensor, k: torch.Tensor, params: AttnParams
 # The Triton KV-cache attention (``_triton/kvcache.py``)
 # ---------------------------------------------------------------------------------------------
 
-# Split each sequence's keys so the grid holds about KVCACHE_PROGRAMS_PER_SM programs per SM,
-# every split at least KVCACHE_MIN_SPLIT_BLOCKS key blocks of the longest possible sequence. Two
-# a SM, not more: a 16 x 64 tile stages 72 KB of shared memory, so three programs fit on an SM
-# and a grid of four per SM runs in two waves. Measured on an H100 (tools/kvcache_tiles.py,
-# GQA 32/8, D=128, bf16, every split count against the rule's): the fastest split count of
-# every cell was the one two programs per SM give (B=1 over 32k/128k keys, contiguous and
-# page 16: 32 splits, 1.3-1.8x faster than 64; B=8 Sq=16 over 32k: 4 splits, 1.3x faster
-# than 9; B=32 over 4k: 2 splits, 1.04x faster than 3).
-KVCACHE_PROGRAMS_PER_SM = 2
+# Split each sequence's keys into as many ranges as fill one program per SM without going past
+# it (``SMs // programs``, at least 1), every split at least KVCACHE_MIN_SPLIT_BLOCKS key blocks
+# of the longest possible sequence. Measured on an H100 (tools/kvcache_tiles.py, GQA 32/8,
+# D=128, bf16, graph-timed, every split count from a quarter to four times the rule's), once
+# the combine read its splits as a tile: the fastest count of every cell filled one program
+# per SM or just under: B=1 over 32k/128k keys 16 splits (50/176 us, against 53/182 at 33);
+# B=8 Sq=16 over 32k 2 splits (357 us contiguous, 375 page 16, against 428/440 at 5); B=32
+# over 4k 1 split (177 against 190 at 2); B=1 Sq=16 page 16 16 splits (59 against 68 at 33).
+# Before that fix, when the combine walked the splits one by one, four programs per SM had
+# cost up to 1.8x.
+KVCACHE_PROGRAMS_PER_SM = 1
 KVCACHE_MIN_SPLIT_BLOCKS = 4
 KVCACHE_MAX_SPLITS = 64
 
@@ -281,6 +283,6 @@ def kvcache_splits(*, batch: int, heads_kv: int, row_blocks: int, max_keys: int,
     so a captured CUDA graph stays valid): ``batch * heads_kv * row_blocks`` programs without
     a split; ``max_keys`` bounds any sequence's keys (the cache capacity)."""
     programs = max(1, batch * heads_kv * row_blocks)
-    wanted = -(-KVCACHE_PROGRAMS_PER_SM * sm_count(device) // programs)
+    wanted = KVCACHE_PROGRAMS_PER_SM * sm_count(device) // programs
     by_length = -(-max_keys // (block_n * KVCACHE_MIN_SPLIT_BLOCKS))
     return max(1, min(wanted, by_length, KVCACHE_MAX_SPLITS))
