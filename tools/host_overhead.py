@@ -81,6 +81,25 @@ def profile_text(fn, calls: int, lines: int) -> str:
     return buf.getvalue()
 
 
+def report(providers: dict, shape: str, args, *, no_graph: str, profiled) -> None:
+    """Prints (and with ``--out`` writes) each provider's eager and graph time per call (no
+    graph for names containing ``no_graph``), then a cProfile of each ``profiled`` one."""
+    print(f"host time per call, {shape}, {args.calls} calls ({torch.cuda.get_device_name()})")
+    results = {"shape": shape, "gpu": torch.cuda.get_device_name(), "rows": []}
+    for name, fn in providers.items():
+        eager = per_call_us(fn, args.calls)
+        graph = graph_us(fn, args.calls) if no_graph not in name else None
+        graph_text = f"{graph:8.1f}" if graph is not None else "       -"
+        print(f"  {name:26s} eager {eager:8.1f} us   graph {graph_text} us")
+        results["rows"].append({"provider": name, "eager_us": eager, "graph_us": graph})
+    for name in profiled:
+        text = profile_text(providers[name], 500, args.profile_lines)
+        print(f"\ncProfile of 500 calls, {name}:\n{text}")
+        results[f"profile {name}"] = text
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernel-dir", type=Path, default=REPO_ROOT / "build")
@@ -143,20 +162,8 @@ def main() -> int:
         "sdpa-cudnn fwd+bwd": sdpa(SDPBackend.CUDNN_ATTENTION, train=True),
     }
     shape = f"B=1 Sq={sq} Sk={sk} H={hq}/{hkv} D={d} bf16 causal"
-    print(f"host time per call, {shape}, {args.calls} calls ({torch.cuda.get_device_name()})")
-    results = {"shape": shape, "gpu": torch.cuda.get_device_name(), "rows": []}
-    for name, fn in providers.items():
-        eager = per_call_us(fn, args.calls)
-        graph = graph_us(fn, args.calls) if "bwd" not in name else None
-        graph_text = f"{graph:8.1f}" if graph is not None else "       -"
-        print(f"  {name:20s} eager {eager:8.1f} us   graph {graph_text} us")
-        results["rows"].append({"provider": name, "eager_us": eager, "graph_us": graph})
-    for name in ("ours-cuda fwd", "ours-triton fwd", "ours-cuda fwd+bwd"):
-        text = profile_text(providers[name], 500, args.profile_lines)
-        print(f"\ncProfile of 500 calls, {name}:\n{text}")
-        results[f"profile {name}"] = text
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    report(providers, shape, args, no_graph="bwd",
+           profiled=("ours-cuda fwd", "ours-triton fwd", "ours-cuda fwd+bwd"))
     return 0
 
 
@@ -197,20 +204,7 @@ def kvcache_main(fa, args) -> int:
         "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
     }
     shape = f"decode B=1 Sq=1 Sk={sk} H={hq}/{hkv} D={d} bf16, one new token"
-    print(f"host time per call, {shape}, {args.calls} calls ({torch.cuda.get_device_name()})")
-    results = {"shape": shape, "gpu": torch.cuda.get_device_name(), "rows": []}
-    for name, fn in providers.items():
-        eager = per_call_us(fn, args.calls)
-        graph = graph_us(fn, args.calls) if "checks" not in name else None
-        graph_text = f"{graph:8.1f}" if graph is not None else "       -"
-        print(f"  {name:26s} eager {eager:8.1f} us   graph {graph_text} us")
-        results["rows"].append({"provider": name, "eager_us": eager, "graph_us": graph})
-    for name in ("ours contiguous", "ours page-16"):
-        text = profile_text(providers[name], 500, args.profile_lines)
-        print(f"\ncProfile of 500 calls, {name}:\n{text}")
-        results[f"profile {name}"] = text
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    report(providers, shape, args, no_graph="checks", profiled=("ours contiguous", "ours page-16"))
     return 0
 
 
