@@ -32,7 +32,7 @@ from triton.runtime.jit import JITFunction, native_specialize_impl  # noqa: E402
 
 SOURCE_PACKAGE = Path(__file__).resolve().parents[1] / "torch-ext" / "flash_attn"
 SHARED_LIMIT = {90: 232448, 80: 166912}  # bytes of shared memory a block may use
-KERNELS = ("_append_kernel", "_attend_kernel", "_combine_kernel")
+KERNELS = ("_attend_kernel", "_combine_kernel")  # the attention kernel appends the new keys
 
 
 def _modules():
@@ -96,6 +96,7 @@ CASES = {  # label: (page size or None, leftpad, Sq, heads, head dim, features)
     "contiguous_rotary_softcap_alibi": (None, True, 4, (8, 2), 128,
                                         {"rotary": True, "softcap": 30.0, "alibi": True}),
     "contiguous_d256_window": (None, False, 4, (8, 2), 256, {"window": 64}),
+    "chunked_prefill_page64_d256_rotary": (64, False, 256, (16, 2), 256, {"rotary": True}),
 }
 
 
@@ -143,7 +144,8 @@ def _launch(kernel, params_type, label: str, calls: list) -> None:
                          window_right=0 if causal else -1, softcap=features.get("softcap", 0.0),
                          rotary_interleaved=False, num_splits=3, max_seqlen_q=seqlen_q,
                          max_seqlen_k=capacity)
-    tiles = kernel.tiles_for(dim, heads_q // heads_kv * seqlen_q, torch.device("cuda"))
+    tiles = kernel.tiles_for(dim, heads_q // heads_kv * seqlen_q, torch.device("cuda"),
+                             rotary_append=rotary is not None)
     kernel.forward(
         q, cache, cache.clone(), torch.empty_like(q), torch.empty(batch, heads_q, seqlen_q),
         k=k, v=k.clone(), rotary_cos=rotary, rotary_sin=rotary, block_table=table,
