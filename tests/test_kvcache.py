@@ -294,6 +294,46 @@ def test_triton_splits_match_oracle_and_repeat_bitwise(flash_attn, triton_device
     assert torch.equal(first, second)
 
 
+# Appends of many new keys (chunked prefill): new-key tiles across key blocks, row blocks and
+# splits, the queries fewer than the new keys or as many, with each rotary layout.
+LONG_APPENDS = {
+    "paged_gather_neox": Case(page_size=8, lengths=(21, 0, -1, 50), seqlen_new=40, seqlen_q=40,
+                              heads=(4, 2), rotary="neox"),
+    "page_aligned_interleaved_partial_window": Case(page_size=16, lengths=(16, 5), seqlen_new=37,
+                                                    seqlen_q=3, rotary="interleaved",
+                                                    rotary_dim=16, window=(20, 0)),
+    "contiguous_leftpad_batch_idx_not_causal": Case(lengths=(30, 7), leftpad=(9, 0),
+                                                    batch_idx=True, seqlen_new=33, seqlen_q=2,
+                                                    rotary="neox", rotary_dim=16, causal=False),
+}
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("name", list(LONG_APPENDS))
+def test_triton_long_appends_match_oracle(flash_attn, triton_device, name, num_splits):
+    run_case(flash_attn, LONG_APPENDS[name], device=triton_device, num_splits=num_splits)
+
+
+def test_triton_appends_inside_the_attention_launch(flash_attn, triton_device, monkeypatch):
+    """The attention kernel writes the new keys itself: a call with new keys launches it alone,
+    or with the combine when the keys are split, and no append kernel."""
+    from triton.runtime.jit import KernelInterface
+
+    launched, launch = [], KernelInterface.__getitem__
+
+    def recording(kernel, grid):
+        launched.append(kernel.fn.__name__)
+        return launch(kernel, grid)
+
+    monkeypatch.setattr(KernelInterface, "__getitem__", recording)
+    case = Case(page_size=4, lengths=(20, 9), seqlen_new=3, seqlen_q=2, rotary="interleaved")
+    for num_splits, kernels in ((1, ["_attend_kernel"]),
+                                (2, ["_attend_kernel", "combine_kernel"])):
+        launched.clear()
+        run_case(flash_attn, case, device=triton_device, num_splits=num_splits)
+        assert launched == kernels
+
+
 # ---------------------------------------------------------------------------------------------
 # Signature, return values, logging.
 # ---------------------------------------------------------------------------------------------

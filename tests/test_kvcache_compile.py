@@ -32,9 +32,9 @@ from triton.runtime.jit import JITFunction, native_specialize_impl  # noqa: E402
 
 SOURCE_PACKAGE = Path(__file__).resolve().parents[1] / "torch-ext" / "flash_attn"
 SHARED_LIMIT = {90: 232448, 80: 166912}  # bytes of shared memory a block may use
-# (module, kernel) of every launch a kv-cache call with new keys and splits makes, in order
-KERNELS = (("kvcache", "_append_kernel"), ("kvcache", "_attend_kernel"),
-           ("common", "combine_kernel"))
+# (module, kernel) of every launch a kv-cache call with new keys and splits makes, in order:
+# the attention kernel appends the new keys itself
+KERNELS = (("kvcache", "_attend_kernel"), ("common", "combine_kernel"))
 
 
 def _modules():
@@ -98,6 +98,7 @@ CASES = {  # label: (page size or None, leftpad, Sq, heads, head dim, features)
     "contiguous_rotary_softcap_alibi": (None, True, 4, (8, 2), 128,
                                         {"rotary": True, "softcap": 30.0, "alibi": True}),
     "contiguous_d256_window": (None, False, 4, (8, 2), 256, {"window": 64}),
+    "chunked_prefill_page64_d256_rotary": (64, False, 256, (16, 2), 256, {"rotary": True}),
 }
 
 
@@ -148,7 +149,7 @@ def _launch(kernel, params_type, label: str, calls: list) -> None:
                          rotary_interleaved=False, num_splits=3, max_seqlen_q=seqlen_q,
                          max_seqlen_k=capacity)
     tiles = kernel.tiles_for(dim, heads_q // heads_kv * seqlen_q, torch.device("cuda"),
-                             page_size=page_size or 0)
+                             page_size=page_size or 0, rotary_append=rotary is not None)
     kernel.forward(
         q, cache, cache.clone(), torch.empty_like(q), torch.empty(batch, heads_q, seqlen_q),
         k=k, v=k.clone(), rotary_cos=rotary, rotary_sin=rotary, block_table=table,

@@ -646,9 +646,10 @@ for arch, head_dim, rows in ((90, 64, 64), (90, 128, 16), (90, 128, 64), (90, 25
                      GROUP=4, IS_VARLEN=True, HAS_WINDOW_LEFT=True, HAS_WINDOW_RIGHT=True,
                      SOFTCAP=True, HAS_ALIBI=True),
                 arch, cfg.num_warps, cfg.num_stages, f"decode split D={head_dim} rows={rows} {cfg}")
-    compile_for(decode._combine_kernel,
-                dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=heuristics.SPLIT_KV_MAX_SPLITS,
-                     IS_VARLEN=True, HAS_SINK=True), arch, 4, 1, f"decode combine D={head_dim}")
+    common = importlib.import_module("fa_compile._triton.common")
+    compile_for(common.combine_kernel,
+                dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=common.COMBINE_BLOCK_S,
+                     IS_VARLEN=True, HAS_SINK=True), arch, 4, 1, f"split combine D={head_dim}")
 """
 
 

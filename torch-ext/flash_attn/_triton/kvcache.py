@@ -28,25 +28,43 @@ Glossary (see also ``common``):
   partial            a split's normalised output (fp32, ``(tokens, Hq, NUM_SPLITS, D)``) and
                      its lse in log2 units (``(tokens, Hq, NUM_SPLITS)``, -inf for no key)
 
-Two launches, or three: ``_append_kernel`` writes the new keys (rotated) and values into the
-cache, ``_attend_kernel`` attends over the cache (writing the output directly when there is one
-split), and ``common.combine_kernel`` merges the splits in a fixed order, so a result never depends
-on timing. Nothing is read from the device on the host and every buffer's size follows from
-shapes, so a call can be captured in a CUDA graph.
+One launch, or two: ``_attend_kernel`` attends over the cache and, given new keys, appends
+them to it ([Note: appending]), writing the output directly when there is one split;
+``common.combine_kernel`` merges the splits in a fixed order, so a result never depends on timing.
+Nothing is read from the device on the host and every buffer's size follows from shapes, so a
+call can be captured in a CUDA graph.
+
+[Note: appending] New key ``j`` of sequence ``b`` goes to cache position ``cache_seqlens[b] +
+j``, which is key column ``first_new + j`` with ``first_new = cache_seqlens[b] - start``. No
+read waits for a write: the key loop reads the columns before ``first_new`` from the cache (the
+loop of a call without new keys, masked at ``first_new``) and a second loop reads the new
+columns from ``k``/``v``, BLOCK_NEW at a time, rotated by the same fp32 operations that rotate
+them for the cache (``_load_rows``), so the keys attended are the keys stored. Each split takes
+the new columns of its own key blocks. The program of row block 0 and split 0 of each (sequence,
+kv head) writes that kv head's new keys and values, BLOCK_WRITE at a time, between the two
+loops (ptxas sm90: written before the cache loop, the write cost the page-16 decode kernel 37
+registers; after the new-key loop, 45 with interleaved rotary; between them, none). Nothing
+reads a slot that is being written, so there is no race, unless two sequences' block tables
+share a page that one of them appends into. A call
+with Sq = 0 runs the writing programs only, over no key. Without new keys (APPEND off) neither
+the second loop nor the write is compiled: the kernel's instructions are those of the attention
+alone.
 
 [Note: masked cache access] Every load and store is masked to the cache: positions past the
 sequence (or past the cache), a block index outside ``[0, num_blocks)``, a cache row outside
 the cache. The host checks these values on eager calls (``kvcache``'s [Note: value checks]);
 a captured call that skips the checks reads zeros for a bad key (scored -inf: it is not a key)
-and drops a bad append, but never touches memory outside the cache. ``cache_seqlens = -1``
-(a padding slot) appends nothing and sees no key.
+and drops a bad append (the call itself still attends to that new key, read from ``k``), but
+never touches memory outside the cache. ``cache_seqlens = -1`` (a padding slot) appends
+nothing and sees no key.
 
 [Note: rotary] Positions index the ``(seqlen_rotary, ROTARY_DIM / 2)`` tables; a pair ``(d,
 partner(d))`` turns by its angle: ``x'[d] = x[d] cos + sign(d) x[partner] sin`` with sign -1 on
 the pair's first element. Interleaved pairs are ``(2i, 2i + 1)``, GPT-NeoX pairs ``(i, i +
-ROTARY_DIM / 2)``; dims past ROTARY_DIM keep ``cos = 1, sin = 0``. Computed in fp32, rounded
-to the input dtype (the cache holds rounded keys; the queries are rounded before the product,
-as flash-attn 2 does). A position past the table is clamped to its last row.
+ROTARY_DIM / 2)``; dims past ROTARY_DIM keep ``cos = 1, sin = 0``. Computed in fp32 (by
+``_load_rows``, for queries and new keys alike), rounded to the input dtype (the cache holds
+rounded keys; the queries are rounded before the product, as flash-attn 2 does). A position
+past the table is clamped to its last row.
 
 Splits are merged by ``common.combine_kernel`` ([Note: combining splits] there).
 """
@@ -77,25 +95,27 @@ class KvTiles:
 
 
 def tiles_for(head_dim: int, packed_rows: int, device: torch.device, *,
-              page_size: int = 0) -> KvTiles:
-    """Tiles by head dim, packed rows (GROUP * Sq) and page size (0: a contiguous cache).
-    BLOCK_M is the packed rows rounded up to a power of two between 16 (``tl.dot``'s minimum)
-    and 64 (32 above D=128). Keys per step: 64 up to D=128, 32 above; a paged cache whose
-    pages do not hold whole 64-key blocks (the per-key gather) takes 128 at D <= 128.
+              page_size: int = 0, rotary_append: bool = False) -> KvTiles:
+    """Tiles by head dim, packed rows (GROUP * Sq), page size (0: a contiguous cache) and
+    whether new keys are rotated in the call. BLOCK_M is the packed rows rounded up to a power
+    of two between 16 (``tl.dot``'s minimum) and 64 (32 above D=128). Keys per step: 64 up to
+    D=128, 32 above; a paged cache whose pages do not hold whole 64-key blocks (the per-key
+    gather) takes 128 at D <= 128.
 
     Measured on an H100 (tools/kvcache_tiles.py, GQA 32/8, D=128, bf16, at the best split
     count of each): 4 warps were fastest or within 2% in every cell (8 warps at 64 rows cost
     1.25x at B=8 Sq=16); with pages of 16 keys, 128-key steps read 1.08-1.19x faster than 64
     (B=1 over 32k with 2 stages, B=8 Sq=16 with 3); contiguous caches were level (within 2%)
     for 32, 64 and 128 keys and 2-4 stages. ptxas sm90 (bf16, paged, causal; 3 stages): 16 x
-    64 at D=128 with 4 warps 168 registers, 40 KB shared memory, no spills; 64 x 64 with 4
-    warps 236; D=256 16 x 32 156, 32 x 32 <= 212. Three stages on Hopper, two elsewhere
-    (sm86/sm89 have 99 KB). The interpreter takes 16 x 16, so small tests cross row blocks,
-    key blocks and pages."""
+    64 at D=128 with 4 warps 168 registers, 40 KB shared memory, no spills; D=256 16 x 32 156,
+    32 x 32 <= 212. Above D=128 a call that rotates new keys (``rotary_append``) takes 16 rows:
+    rotating them in registers beside a 32-row fp32 accumulator spilled (sm80 and sm90, 255
+    registers; 194 with 16 rows). Three stages on Hopper, two elsewhere (sm86/sm89 have 99 KB).
+    The interpreter takes 16 x 16, so small tests cross row blocks, key blocks and pages."""
     if device.type != "cuda":
         return KvTiles(16, 16, 1, 1, "interpreter: small tiles")
     block_m = max(16, min(triton.next_power_of_2(max(packed_rows, 1)),
-                          64 if head_dim <= 128 else 32))
+                          64 if head_dim <= 128 else (16 if rotary_append else 32)))
     hopper = hopper_or_later(device)
     stages = 3 if hopper else 2
     block_n = 64 if head_dim <= 128 else 32
@@ -105,101 +125,178 @@ def tiles_for(head_dim: int, packed_rows: int, device: torch.device, *,
     return KvTiles(block_m, block_n, 4, stages, "measured on an H100")
 
 
+@dataclasses.dataclass(frozen=True)
+class NewKeyTiles:
+    """How the attention kernel reads and writes new keys ([Note: appending])."""
+    block_new: int  # new keys per step of the new-key loop
+    new_stages: int  # software-pipeline stages of that loop
+    block_write: int  # new keys per step of the write
+
+
+def new_key_tiles(seqlen_new: int, block_d: int, rotary: bool, tiles: KvTiles) -> NewKeyTiles:
+    """New-key tiles by count, head dim and rotary; ptxas sm90, bf16, 3 stages, registers of
+    the attention kernel. Reads: 16 keys (tl.dot's least) for a decode step, up to BLOCK_N for
+    chunked prefill, pipelined like the cache loop only when the loop runs more than once
+    (page-256 decode: 96 without new keys, 112 with an unpipelined step, 164 pipelined). With
+    rotary, 16 keys unpipelined: the fp32 rotation of 32 x 256 keys spilled at D=256, and its
+    pipelined loads wanted ~300 KB of shared memory. Writes: ~16 elements per thread of 4 warps
+    (a 32-key write tile took D=256 chunked prefill from 196 to 255 registers)."""
+    if seqlen_new == 0:
+        return NewKeyTiles(16, 1, 1)
+    block_new = 16 if rotary else min(tiles.block_n, max(16, triton.next_power_of_2(seqlen_new)))
+    stages = 1 if rotary or seqlen_new <= block_new else tiles.num_stages
+    return NewKeyTiles(block_new, stages,
+                       min(triton.next_power_of_2(seqlen_new), max(1, 2048 // block_d)))
+
+
 @triton.jit
-def _rotary_terms(positions, offs_d, COS, SIN, stride_rot, ok, ROTARY_DIM: tl.constexpr,
-                  INTERLEAVED: tl.constexpr):
-    """``(partner, cos, signed_sin)`` for rows at ``positions`` (R,) and columns ``offs_d``
-    (D,): ``x' = x * cos + x[:, partner] * signed_sin`` ([Note: rotary]); ``ok`` (R,) masks
-    rows whose tables are not read."""
-    rotated = offs_d < ROTARY_DIM
-    if INTERLEAVED:
-        partner = offs_d ^ 1
-        pair = offs_d // 2
-        first = offs_d % 2 == 0
+def _load_rows(rows, positions, ok, COS, SIN, stride_rot, rotary_len, HEAD_DIM: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ROTARY_DIM: tl.constexpr,
+               INTERLEAVED: tl.constexpr):
+    """A ``(BLOCK_R, BLOCK_D)`` tile of the vectors at pointers ``rows`` (0 where ``ok`` is
+    false), rotated at table rows ``positions`` when ROTARY_DIM > 0 ([Note: rotary]). Every load
+    is contiguous along the head dim (interleaved pairs are split apart in registers, GPT-NeoX
+    partners read at +-ROTARY_DIM / 2), where gathering partners and angles element by element
+    held a 64-bit address per element: the new-key loop rotates a whole tile per step."""
+    offs_d = tl.arange(0, BLOCK_D)
+    inside = ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    x = tl.load(rows[:, None] + offs_d[None, :], mask=inside, other=0.0)
+    if ROTARY_DIM > 0:
+        table = tl.minimum(positions, rotary_len - 1).to(tl.int64)[:, None] * stride_rot
+        if INTERLEAVED:  # pair i is (2i, 2i + 1), its angle is column i of the tables
+            offs_i = tl.arange(0, BLOCK_D // 2)
+            turned = ok[:, None] & (offs_i < ROTARY_DIM // 2)[None, :]
+            cos = tl.load(COS + table + offs_i[None, :], mask=turned, other=1.0).to(tl.float32)
+            sin = tl.load(SIN + table + offs_i[None, :], mask=turned, other=0.0).to(tl.float32)
+            even, odd = tl.split(tl.reshape(x, (BLOCK_R, BLOCK_D // 2, 2)).to(tl.float32))
+            x = tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin),
+                           (BLOCK_R, BLOCK_D)).to(x.dtype)
+        else:  # pair i is (i, i + ROTARY_DIM / 2)
+            half: tl.constexpr = ROTARY_DIM // 2
+            first = ok[:, None] & (offs_d < half)[None, :]
+            second = ok[:, None] & ((offs_d >= half) & (offs_d < ROTARY_DIM))[None, :]
+            ahead = tl.load(rows[:, None] + (offs_d + half)[None, :], mask=first, other=0.0)
+            behind = tl.load(rows[:, None] + (offs_d - half)[None, :], mask=second, other=0.0)
+            at = COS + table + offs_d[None, :]
+            cos = tl.load(at, mask=first, other=0.0) + tl.load(at - half, mask=second, other=0.0)
+            at = SIN + table + offs_d[None, :]
+            sin = tl.load(at, mask=first, other=0.0) + tl.load(at - half, mask=second, other=0.0)
+            cos = tl.where(first | second, cos.to(tl.float32), 1.0)
+            partner = behind.to(tl.float32) - ahead.to(tl.float32)
+            x = (x.to(tl.float32) * cos + partner * sin.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _cache_row(CACHE_BATCH_IDX, b, cache_rows, PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr):
+    """``(cache_row, row_in_cache)``: sequence ``b``'s row of a contiguous cache (0 for a paged
+    one, whose block table says where each key lives) and whether that row exists."""
+    if PAGED:
+        cache_row = 0
+    elif HAS_BATCH_IDX:
+        cache_row = tl.load(CACHE_BATCH_IDX + b).to(tl.int64)
     else:
-        half: tl.constexpr = ROTARY_DIM // 2
-        first = offs_d < half
-        partner = tl.where(first, offs_d + half, offs_d - half)
-        pair = tl.where(first, offs_d, offs_d - half)
-    partner = tl.where(rotated, partner, offs_d)
-    pair = tl.where(rotated, pair, 0)
-    mask = ok[:, None] & rotated[None, :]
-    ptr = positions.to(tl.int64)[:, None] * stride_rot + pair[None, :]
-    cos = tl.load(COS + ptr, mask=mask, other=1.0).to(tl.float32)
-    sin = tl.load(SIN + ptr, mask=mask, other=0.0).to(tl.float32)
-    return partner, cos, tl.where(first[None, :], -sin, sin)
+        cache_row = b.to(tl.int64)
+    return cache_row, (cache_row >= 0) & (cache_row < cache_rows)
 
 
 @triton.jit
-def _append_kernel(
-        K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, CACHE_SEQLENS, CACHE_BATCH_IDX, COS, SIN,
-        stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_tb, stride_rot,
-        num_heads_kv, num_blocks, table_width, cache_rows, cache_slots, rotary_len,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-        PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
-        ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr):
-    """New token ``j`` of sequence ``b`` (all kv heads) into its cache slot, keys rotated at
-    position ``cache_seqlens[b] + j``; nothing for a padding slot or a slot outside the cache
-    ([Note: masked cache access])."""
-    j = tl.program_id(0)
-    b = tl.program_id(1)
-    b64 = b.to(tl.int64)
-    length = tl.load(CACHE_SEQLENS + b)
-    position = tl.maximum(length, 0) + j
-    valid = length >= 0
+def _cache_slots(position, ok, table, cache_row, row_in_cache, num_blocks, table_width,
+                 cache_slots, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr):
+    """``(ok, row, slot)``: where cache ``position`` of the sequence lives (cache dim 0 and 1,
+    int64) and whether it is inside the cache ([Note: masked cache access]); ``table`` is the
+    sequence's block-table row. The cache loop and the write of new keys share it."""
     if PAGED:
         page = position // PAGE_SIZE
-        valid = valid & (page < table_width)
-        block = tl.load(BLOCK_TABLE + b64 * stride_tb + page, mask=valid, other=-1)
-        valid = valid & (block >= 0) & (block < num_blocks)
-        row = block.to(tl.int64)
+        ok = ok & (page < table_width)
+        blocks = tl.load(table + page, mask=ok, other=-1)
+        ok = ok & (blocks >= 0) & (blocks < num_blocks)
+        row = blocks.to(tl.int64)
         slot = (position % PAGE_SIZE).to(tl.int64)
     else:
-        if HAS_BATCH_IDX:
-            row = tl.load(CACHE_BATCH_IDX + b).to(tl.int64)
-        else:
-            row = b64
-        valid = valid & (row >= 0) & (row < cache_rows) & (position < cache_slots)
+        ok = ok & row_in_cache & (position < cache_slots)
+        row = cache_row
         slot = position.to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
+    return ok, row, slot
+
+
+@triton.jit
+def _attend_block(q, k_t, v, ok, rows, cols, edge, m_i, l_i, acc, seqlen_q, seqlen_k, diag,
+                  qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+                  SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                  HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr):
+    """One tile of keys in the online softmax: ``(m_i, l_i, acc)`` after keys ``cols``
+    (sequence-local, any order; ``k_t`` (D, N), ``v`` (N, D); ``ok``: which are keys). ``edge``:
+    the tile may hold keys outside some row's band, so the visibility mask is applied."""
+    s, _ = scores_log2(tl.dot(q, k_t), rows[:, None], cols[None, :], diag, qk_scale,
+                       softcap_log2, alibi_slope_log2, SOFTCAP, HAS_ALIBI)
+    s = tl.where(ok[None, :], s, float("-inf"))
+    if edge:
+        s = tl.where(visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left,
+                             window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT),
+                     s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _write_new_keys(k_new, v_new, k_head, v_head, length, seqlen_new, table, cache_row,
+                    row_in_cache, COS, SIN, stride_kns, stride_vns, stride_kb, stride_ks,
+                    stride_vb, stride_vs, stride_rot, num_blocks, table_width, cache_slots,
+                    rotary_len, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_WRITE: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
+                    ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr):
+    """[Note: appending] The new keys (rotated) and values of one sequence and kv head
+    (``k_new``, ``v_new``: its first; ``k_head``, ``v_head``: the caches at the kv head) into
+    cache positions ``length ..``, BLOCK_WRITE at a time; nothing for a padding slot or a slot
+    outside the cache ([Note: masked cache access])."""
+    offs_j = tl.arange(0, BLOCK_WRITE)
     offs_d = tl.arange(0, BLOCK_D)
-    inside = (offs_h < num_heads_kv)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    src_k = K_NEW + b64 * stride_knb + j * stride_kns + offs_h[:, None] * stride_knh
-    key = tl.load(src_k + offs_d[None, :], mask=inside, other=0.0)
-    if ROTARY_DIM > 0:
-        at = tl.minimum(position, rotary_len - 1) + offs_h * 0
-        partner, cos, sin = _rotary_terms(at, offs_d, COS, SIN, stride_rot,
-                                          (offs_h < num_heads_kv) & valid, ROTARY_DIM,
-                                          ROTARY_INTERLEAVED)
-        other = tl.load(src_k + partner[None, :], mask=inside, other=0.0)
-        key = (key.to(tl.float32) * cos + other.to(tl.float32) * sin).to(key.dtype)
-    value = tl.load(V_NEW + b64 * stride_vnb + j * stride_vns + offs_h[:, None] * stride_vnh
-                    + offs_d[None, :], mask=inside, other=0.0)
-    mask = inside & valid
-    tl.store(K_CACHE + row * stride_kb + slot * stride_ks + offs_h[:, None] * stride_kh
-             + offs_d[None, :], key, mask=mask)
-    tl.store(V_CACHE + row * stride_vb + slot * stride_vs + offs_h[:, None] * stride_vh
-             + offs_d[None, :], value, mask=mask)
+    d_ok = offs_d < HEAD_DIM
+    for first in range(0, seqlen_new, BLOCK_WRITE):
+        index = first + offs_j
+        position = tl.maximum(length, 0) + index
+        ok, row, slot = _cache_slots(position, (index < seqlen_new) & (length >= 0), table,
+                                     cache_row, row_in_cache, num_blocks, table_width,
+                                     cache_slots, PAGE_SIZE, PAGED)
+        mask = ok[:, None] & d_ok[None, :]
+        key = _load_rows(k_new + index.to(tl.int64) * stride_kns, position, ok, COS, SIN,
+                         stride_rot, rotary_len, HEAD_DIM, BLOCK_WRITE, BLOCK_D, ROTARY_DIM,
+                         ROTARY_INTERLEAVED)
+        value = tl.load(v_new + index.to(tl.int64)[:, None] * stride_vns + offs_d[None, :],
+                        mask=mask, other=0.0)
+        tl.store(k_head + (row * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :], key,
+                 mask=mask)
+        tl.store(v_head + (row * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
+                 value, mask=mask)
 
 
 @triton.jit
 def _attend_kernel(
-        Q, K_CACHE, V_CACHE, BLOCK_TABLE, CACHE_SEQLENS, CACHE_LEFTPAD, CACHE_BATCH_IDX,
-        CU_SEQLENS_Q, CU_SEQLENS_K, COS, SIN, ALIBI, S_AUX, O, LSE, O_PART, LSE_PART,
+        Q, K_CACHE, V_CACHE, K_NEW, V_NEW, BLOCK_TABLE, CACHE_SEQLENS, CACHE_LEFTPAD,
+        CACHE_BATCH_IDX, CU_SEQLENS_Q, CU_SEQLENS_K, COS, SIN, ALIBI, S_AUX, O, LSE, O_PART,
+        LSE_PART,
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-        stride_vb, stride_vs, stride_vh, stride_tb, stride_rot, stride_ab,
+        stride_vb, stride_vs, stride_vh, stride_knb, stride_kns, stride_knh,
+        stride_vnb, stride_vns, stride_vnh, stride_tb, stride_rot, stride_ab,
         stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
         seqlen_q_batched, seqlen_new, num_heads_q, row_blocks, num_splits, num_blocks,
         table_width, cache_rows, cache_slots, rotary_len,
         qk_scale, softcap_log2, window_left, window_right,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, IS_VARLEN: tl.constexpr,
-        HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, ROTARY_DIM: tl.constexpr,
-        ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_ROW: tl.constexpr,
-        HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-        HAS_ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr):
+        BLOCK_N: tl.constexpr, BLOCK_NEW: tl.constexpr, NEW_STAGES: tl.constexpr,
+        BLOCK_WRITE: tl.constexpr, GROUP: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
+        IS_VARLEN: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+        APPEND: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
+        ROTARY_PER_ROW: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
+        HAS_WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+        HAS_SINK: tl.constexpr, SPLIT: tl.constexpr):
     # (kv head, row block) on the first axis, which has no 65535 limit: long prefills have many
     # row blocks.
     kv_head = tl.program_id(0) // row_blocks
@@ -225,18 +322,18 @@ def _attend_kernel(
         seqlen_k = tl.where(length >= 0, tl.maximum(length + seqlen_new - start, 0), 0)
         token0 = b64 * seqlen_q
         q_base = Q + b64 * stride_qb
-    if row_block * BLOCK_M >= GROUP * seqlen_q:
+    if APPEND:  # the appending program, (row block 0, split 0), runs even when Sq = 0
+        appends = (row_block == 0) & (split == 0)
+        done = (row_block * BLOCK_M >= GROUP * seqlen_q) & (appends == 0)
+    else:
+        done = row_block * BLOCK_M >= GROUP * seqlen_q
+    if done:
         return
     if PAGED:
-        table = BLOCK_TABLE + b64 * stride_tb
-        cache_row = 0
+        table = BLOCK_TABLE + b64 * stride_tb  # the sequence's block-table row
     else:
         table = BLOCK_TABLE
-        if HAS_BATCH_IDX:
-            cache_row = tl.load(CACHE_BATCH_IDX + b).to(tl.int64)
-        else:
-            cache_row = b64
-    row_in_cache = (cache_row >= 0) & (cache_row < cache_rows)
+    cache_row, row_in_cache = _cache_row(CACHE_BATCH_IDX, b, cache_rows, PAGED, HAS_BATCH_IDX)
 
     # The tile: packed rows -> (query row, query head).
     offs_r = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -246,17 +343,13 @@ def _attend_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
-    q_ptrs = q_base + rows.to(tl.int64)[:, None] * stride_qs + heads[:, None] * stride_qh
-    q = tl.load(q_ptrs + offs_d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
-    if ROTARY_DIM > 0:
-        if ROTARY_PER_ROW:
-            at = tl.maximum(length, 0) + rows
-        else:
-            at = tl.maximum(length, 0) + rows * 0
-        partner, cos, sin = _rotary_terms(tl.minimum(at, rotary_len - 1), offs_d, COS, SIN,
-                                          stride_rot, r_ok, ROTARY_DIM, ROTARY_INTERLEAVED)
-        other = tl.load(q_ptrs + partner[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
-        q = (q.to(tl.float32) * cos + other.to(tl.float32) * sin).to(q.dtype)
+    if ROTARY_PER_ROW:
+        at = tl.maximum(length, 0) + rows
+    else:
+        at = tl.maximum(length, 0) + rows * 0
+    q = _load_rows(q_base + rows.to(tl.int64) * stride_qs + heads * stride_qh, at, r_ok, COS, SIN,
+                   stride_rot, rotary_len, HEAD_DIM, BLOCK_M, BLOCK_D, ROTARY_DIM,
+                   ROTARY_INTERLEAVED)
     if HAS_ALIBI:
         slopes = tl.load(ALIBI + b64 * stride_ab + heads, mask=r_ok, other=0.0)
         alibi_slope_log2 = (slopes * LOG2E)[:, None]
@@ -277,52 +370,65 @@ def _attend_kernel(
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
     diag = seqlen_k - seqlen_q
+    if APPEND:  # new key j is key column first_new + j; the cache holds the columns before
+        hi = tl.where(seqlen_q > 0, hi, lo)  # no key for the appending program of Sq = 0
+        first_new = length - start
+        k_new = K_NEW + b64 * stride_knb + kv_head.to(tl.int64) * stride_knh
+        v_new = V_NEW + b64 * stride_vnb + kv_head.to(tl.int64) * stride_vnh
+        cached = tl.minimum(tl.maximum(first_new, 0), seqlen_k)
+        cached_hi = tl.minimum(hi, tl.cdiv(cached, BLOCK_N))
+    else:
+        cached = seqlen_k
+        cached_hi = hi
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for block in range(lo, hi):
+    for block in range(lo, cached_hi):
         cols = block * BLOCK_N + offs_n
-        position = start + cols
-        ok = cols < seqlen_k
+        ok = cols < cached
         if PAGE_ALIGNED:  # the block lies in one page: one table entry, a strided tile
             page = (block * BLOCK_N) // PAGE_SIZE
             ok = ok & (page < table_width)
             blocks = tl.load(table + page, mask=page < table_width, other=-1)
             ok = ok & (blocks >= 0) & (blocks < num_blocks)
+            row = blocks.to(tl.int64)
             slot = ((block * BLOCK_N) % PAGE_SIZE + offs_n).to(tl.int64)
-            k_rows = blocks.to(tl.int64) * stride_kb + slot * stride_ks
-            v_rows = blocks.to(tl.int64) * stride_vb + slot * stride_vs
-        elif PAGED:  # [Note: masked cache access]
-            page = position // PAGE_SIZE
-            ok = ok & (page < table_width)
-            blocks = tl.load(table + page, mask=ok, other=-1)
-            ok = ok & (blocks >= 0) & (blocks < num_blocks)
-            slot = (position % PAGE_SIZE).to(tl.int64)
-            k_rows = blocks.to(tl.int64) * stride_kb + slot * stride_ks
-            v_rows = blocks.to(tl.int64) * stride_vb + slot * stride_vs
         else:
-            ok = ok & row_in_cache & (position < cache_slots)
-            k_rows = cache_row * stride_kb + position.to(tl.int64) * stride_ks
-            v_rows = cache_row * stride_vb + position.to(tl.int64) * stride_vs
-        k_t = tl.load(k_head + k_rows[None, :] + offs_d[:, None],
+            ok, row, slot = _cache_slots(start + cols, ok, table, cache_row, row_in_cache,
+                                         num_blocks, table_width, cache_slots, PAGE_SIZE, PAGED)
+        k_t = tl.load(k_head + (row * stride_kb + slot * stride_ks)[None, :] + offs_d[:, None],
                       mask=ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(v_head + v_rows[:, None] + offs_d[None, :],
+        v = tl.load(v_head + (row * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
                     mask=ok[:, None] & d_ok[None, :], other=0.0)
-        s, _ = scores_log2(tl.dot(q, k_t), rows[:, None], cols[None, :], diag, qk_scale,
-                           softcap_log2, alibi_slope_log2, SOFTCAP, HAS_ALIBI)
-        s = tl.where(ok[None, :], s, float("-inf"))
-        if (block < full_lo) | (block >= full_hi):  # band edges only
-            s = tl.where(visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left,
-                                 window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT),
-                         s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(q, k_t, v, ok, rows, cols,
+                                      (block < full_lo) | (block >= full_hi), m_i, l_i, acc,
+                                      seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
+                                      alibi_slope_log2, window_left, window_right, SOFTCAP,
+                                      HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+    if APPEND:  # [Note: appending]: the write, then the new keys of this split's blocks
+        if appends:
+            _write_new_keys(k_new, v_new, K_CACHE + kv_head.to(tl.int64) * stride_kh,
+                            V_CACHE + kv_head.to(tl.int64) * stride_vh, length, seqlen_new,
+                            table, cache_row, row_in_cache, COS, SIN, stride_kns, stride_vns,
+                            stride_kb, stride_ks, stride_vb, stride_vs, stride_rot, num_blocks,
+                            table_width, cache_slots, rotary_len, HEAD_DIM, BLOCK_D, BLOCK_WRITE,
+                            PAGE_SIZE, PAGED, ROTARY_DIM, ROTARY_INTERLEAVED)
+        offs_j = tl.arange(0, BLOCK_NEW)
+        new_hi = tl.minimum(hi * BLOCK_N, seqlen_k) - first_new
+        for first in tl.range(tl.maximum(lo * BLOCK_N - first_new, 0), new_hi, BLOCK_NEW,
+                              num_stages=NEW_STAGES):
+            index = first + offs_j
+            ok = index < new_hi
+            k_t = tl.trans(_load_rows(k_new + index.to(tl.int64) * stride_kns, length + index,
+                                      ok, COS, SIN, stride_rot, rotary_len, HEAD_DIM, BLOCK_NEW,
+                                      BLOCK_D, ROTARY_DIM, ROTARY_INTERLEAVED))
+            v = tl.load(v_new + index.to(tl.int64)[:, None] * stride_vns + offs_d[None, :],
+                        mask=ok[:, None] & d_ok[None, :], other=0.0)
+            m_i, l_i, acc = _attend_block(q, k_t, v, ok, rows, first_new + index, True, m_i, l_i,
+                                          acc, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
+                                          alibi_slope_log2, window_left, window_right, SOFTCAP,
+                                          HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
 
     tokens = token0 + rows
     if SPLIT:
@@ -358,54 +464,38 @@ def _attend_kernel(
         tl.store(LSE + l_rows + heads * stride_lh, lse, mask=r_ok)
 
 
-def _append(k_cache, v_cache, k, v, *, block_table, cache_seqlens, cache_batch_idx, rotary_cos,
-            rotary_sin, params: KvCacheParams) -> None:
-    batch, seqlen_new, heads_kv, head_dim = k.shape
-    paged = block_table is not None
-    rotary_dim = 0 if rotary_cos is None else 2 * rotary_cos.shape[1]
-    block_h = triton.next_power_of_2(heads_kv)
-    _append_kernel[(seqlen_new, batch)](
-        k, v, k_cache, v_cache, block_table, cache_seqlens, cache_batch_idx, rotary_cos,
-        rotary_sin, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
-        v_cache.stride(1), v_cache.stride(2), block_table.stride(0) if paged else 0,
-        0 if rotary_cos is None else rotary_cos.stride(0), heads_kv, k_cache.shape[0],
-        block_table.shape[1] if paged else 0, k_cache.shape[0], k_cache.shape[1],
-        0 if rotary_cos is None else rotary_cos.shape[0],
-        HEAD_DIM=head_dim, BLOCK_D=block_d_for(head_dim), BLOCK_H=block_h,
-        PAGE_SIZE=k_cache.shape[1] if paged else 1, PAGED=paged,
-        HAS_BATCH_IDX=cache_batch_idx is not None, ROTARY_DIM=rotary_dim,
-        ROTARY_INTERLEAVED=params.rotary_interleaved,
-        num_warps=4 if block_h * head_dim >= 2048 else 2)
 
 
 def forward(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cache_seqlens,
             cache_batch_idx, cache_leftpad, block_table, cu_seqlens_q, cu_seqlens_k,
             alibi_slopes, s_aux, params: KvCacheParams, tiles: KvTiles | None = None) -> None:
-    """Appends ``k``/``v`` (rotated) to the caches in place, then writes ``out`` (like q) and
-    ``lse`` (float32 ``(B, Hq, Sq)``, or ``(Hq, Tq)`` varlen); the contract of
-    ``kvcache._kvcache_body``. Inputs are validated by the caller; ``tiles`` overrides the
-    launch shape (tests)."""
+    """Appends ``k``/``v`` (rotated) to the caches in place and writes ``out`` (like q) and
+    ``lse`` (float32 ``(B, Hq, Sq)``, or ``(Hq, Tq)`` varlen), in one attention launch (plus
+    the combine when the keys are split); the contract of ``kvcache._kvcache_body``. Inputs are
+    validated by the caller; ``tiles`` overrides the launch shape (tests)."""
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
-    if k is not None and k.shape[1] > 0 and k.shape[0] > 0:
-        _append(k_cache, v_cache, k, v, block_table=block_table, cache_seqlens=cache_seqlens,
-                cache_batch_idx=cache_batch_idx, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                params=params)
     heads_q, head_dim = q.shape[-2], q.shape[-1]
     heads_kv = k_cache.shape[2]
     group = heads_q // heads_kv
     batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
     tokens = q.shape[0] if varlen else q.shape[0] * q.shape[1]
-    if tokens == 0 or batch == 0:
+    append = k is not None and k.shape[1] > 0
+    if batch == 0 or (tokens == 0 and not append):
         return
     cfg = tiles or tiles_for(head_dim, group * params.max_seqlen_q, q.device,
-                             page_size=k_cache.shape[1] if paged else 0)
-    row_blocks = triton.cdiv(group * params.max_seqlen_q, cfg.block_m)
+                             page_size=k_cache.shape[1] if paged else 0,
+                             rotary_append=append and rotary_cos is not None)
+    # One row block at least: with Sq = 0 the (row block 0, split 0) programs still append.
+    row_blocks = max(1, triton.cdiv(group * params.max_seqlen_q, cfg.block_m))
     splits = params.num_splits or kvcache_splits(
         batch=batch, heads_kv=heads_kv, row_blocks=row_blocks, max_keys=params.max_seqlen_k,
         block_n=cfg.block_n, device=q.device)
     splits = max(1, min(splits, triton.cdiv(max(params.max_seqlen_k, 1), cfg.block_n)))
+    if tokens == 0:
+        splits = 1  # nothing to combine
+    block_d = block_d_for(head_dim)
+    new = new_key_tiles(k.shape[1] if append else 0, block_d, rotary_cos is not None, cfg)
     qk_scale, softcap_log2 = score_constants(params.softmax_scale, params.softcap)
     rotary_dim = 0 if rotary_cos is None else 2 * rotary_cos.shape[1]
     o_strides = (0, out.stride(0), out.stride(1)) if varlen else out.stride()[:3]
@@ -417,24 +507,25 @@ def forward(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cach
         lse_part = torch.empty(tokens * heads_q * splits, device=q.device, dtype=torch.float32)
     else:
         o_part = lse_part = None
-    block_d = block_d_for(head_dim)
     _attend_kernel[(heads_kv * row_blocks, splits, batch)](
-        q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, cache_batch_idx,
-        cu_seqlens_q, cu_seqlens_k, rotary_cos, rotary_sin, alibi_slopes, s_aux, out, lse,
-        o_part, lse_part, *q_strides, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q, k_cache, v_cache, k if append else None, v if append else None, block_table,
+        cache_seqlens, cache_leftpad, cache_batch_idx, cu_seqlens_q, cu_seqlens_k, rotary_cos,
+        rotary_sin, alibi_slopes, s_aux, out, lse, o_part, lse_part, *q_strides,
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *(k.stride()[:3] if append else (0, 0, 0)), *(v.stride()[:3] if append else (0, 0, 0)),
         block_table.stride(0) if paged else 0, 0 if rotary_cos is None else rotary_cos.stride(0),
         alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
         *o_strides, *l_strides, 0 if varlen else q.shape[1],
-        0 if k is None else k.shape[1], heads_q, row_blocks, splits, k_cache.shape[0],
+        k.shape[1] if append else 0, heads_q, row_blocks, splits, k_cache.shape[0],
         block_table.shape[1] if paged else 0, k_cache.shape[0], k_cache.shape[1],
         0 if rotary_cos is None else rotary_cos.shape[0], qk_scale, softcap_log2,
         params.window_left, params.window_right,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_NEW=new.block_new, NEW_STAGES=new.new_stages, BLOCK_WRITE=new.block_write,
         GROUP=group, PAGE_SIZE=k_cache.shape[1] if paged else 1, PAGED=paged,
         PAGE_ALIGNED=paged and cache_leftpad is None and k_cache.shape[1] % cfg.block_n == 0,
         IS_VARLEN=varlen, HAS_LEFTPAD=cache_leftpad is not None,
-        HAS_BATCH_IDX=cache_batch_idx is not None, ROTARY_DIM=rotary_dim,
+        HAS_BATCH_IDX=cache_batch_idx is not None, APPEND=append, ROTARY_DIM=rotary_dim,
         ROTARY_INTERLEAVED=params.rotary_interleaved, ROTARY_PER_ROW=params.rotary_per_row,
         HAS_WINDOW_LEFT=params.window_left >= 0, HAS_WINDOW_RIGHT=params.window_right >= 0,
         SOFTCAP=params.softcap > 0, HAS_ALIBI=alibi_slopes is not None,
