@@ -570,7 +570,6 @@ package = types.ModuleType("fa_compile"); package.__path__ = [sys.argv[1]]
 sys.modules["fa_compile"] = package
 fwd = importlib.import_module("fa_compile._triton.fwd")
 tuning = importlib.import_module("fa_compile._triton.tuning")
-heuristics = importlib.import_module("fa_compile._heuristics")
 kernel = fwd._attn_fwd_kernel
 SMEM = {90: 232448, 80: 166912}  # opt-in shared memory per block, bytes
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
