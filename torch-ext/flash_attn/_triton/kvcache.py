@@ -501,10 +501,11 @@ def forward(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cach
     o_strides = (0, out.stride(0), out.stride(1)) if varlen else out.stride()[:3]
     l_strides = (0, lse.stride(0), lse.stride(1)) if varlen else lse.stride()
     q_strides = (0, q.stride(0), q.stride(1)) if varlen else q.stride()[:3]
-    if splits > 1:
-        o_part = torch.empty(tokens * heads_q * splits, head_dim, device=q.device,
-                             dtype=torch.float32)
-        lse_part = torch.empty(tokens * heads_q * splits, device=q.device, dtype=torch.float32)
+    if splits > 1:  # one allocation for both (a short call's host time counts every one)
+        parts = tokens * heads_q * splits
+        scratch = torch.empty(parts * (head_dim + 1), device=q.device, dtype=torch.float32)
+        o_part = scratch[:parts * head_dim].view(parts, head_dim)
+        lse_part = scratch[parts * head_dim:]
     else:
         o_part = lse_part = None
     _attend_kernel[(heads_kv * row_blocks, splits, batch)](
