@@ -39,7 +39,9 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = make_parser().parse_args(argv)
+    args.argv = argv  # the command as given, for the pages that record what measured them
     return int(args.func(args) or 0)
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -192,8 +191,9 @@ def run(args) -> int:
     sha, source = git_sha()
     print(f"git_sha {sha} ({source})", flush=True)
     env = environment(device, ours, sha)
+    argv = getattr(args, "argv", None) or []
     env["command"] = "python -m flash_attn_hub bench " + " ".join(
-        a for a in sys.argv[2:] if a != "--no-progress") if sys.argv[1:2] == ["bench"] else None
+        a for a in argv[1:] if a != "--no-progress") if argv[:1] == ["bench"] else None
     clash = mismatches(old_records, [env])
     if clash:
         print(f"--append: {args.into} was measured elsewhere ({clash}); measure the whole page here instead")

@@ -37,7 +37,8 @@ class PageError(Exception):
 def env_of(records: list[dict]) -> dict:
     """The machine and versions of the rows: a field's value when they agree, else the
     values joined (dates: first .. last)."""
-    keys = ("gpu", "driver", "torch", "cuda", "cudnn", "triton", "kernels", "fa4", "kernel_build", "git_sha", "date")
+    keys = ("gpu", "driver", "torch", "cuda", "cudnn", "triton", "kernels", "fa4", "kernel_build", "git_sha", "date",
+            "command")
     out = {}
     for key in keys:
         values = list(dict.fromkeys(r.get(key) for r in records if r.get(key) not in (None, "")))
