@@ -1,0 +1,114 @@
+"""``flash_attn_with_kvcache`` and the paged ``flash_attn_varlen_func`` on a GPU: realistic sizes
+against the kv-cache oracle (the cases and checks of ``test_kvcache.py``), decode steps captured
+in a CUDA graph and replayed, and calls that never synchronise with the host."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from flash_attn_hub.reference import assert_close_to_reference, kvcache_reference
+from test_kvcache import Case, build, build_paged_varlen, run_case
+
+GPU_CASES = {
+    "decode_gqa_page16": Case(page_size=16, lengths=(1000, 17, 2500, 0), heads=(32, 8),
+                              head_dim=128),
+    "decode_gqa_contiguous_sinks": Case(lengths=(3000, 64, 700), heads=(32, 8), head_dim=128,
+                                        sink=True),
+    "multi_token_gqa_page64": Case(page_size=64, lengths=(1500, 900), seqlen_q=8, seqlen_new=8,
+                                   heads=(64, 8), head_dim=128),
+    "chunked_prefill_page1_window": Case(page_size=1, lengths=(300, 40), seqlen_q=16,
+                                         seqlen_new=16, heads=(8, 1), head_dim=64,
+                                         window=(128, 0), softcap=30.0),
+    "rotary_leftpad_d256": Case(lengths=(500, 90), leftpad=(33, 0), seqlen_q=4, seqlen_new=4,
+                                heads=(8, 2), head_dim=256, rotary="neox"),
+    "page256_alibi_padding_slot": Case(page_size=256, lengths=(600, -1, 1200), heads=(16, 4),
+                                       head_dim=128, alibi="batch"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_gpu_matches_oracle(flash_attn, name, dtype):
+    run_case(flash_attn, dataclasses.replace(GPU_CASES[name], dtype=dtype), device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size, num_splits", [(None, 0), (16, 0), (16, 4)])
+def test_gpu_cuda_graph_replays_decode_steps(flash_attn, page_size, num_splits):
+    """A decode step (append one token per sequence, attend) captured once and replayed with new
+    tokens and lengths written into the captured tensors, checked against the oracle at every
+    step; one batch slot stays a padding slot (cache_seqlens -1), as transformers pads."""
+    steps = 3
+    case = Case(page_size=page_size, lengths=(100, 37, 250, -1), seqlen_new=steps,
+                heads=(32, 8), head_dim=128, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    args, _ = build(case, "cuda")  # capacity for `steps` appended tokens
+    q = torch.empty_like(args["q"])
+    k = torch.empty_like(args["k"][:, :1])
+    v = torch.empty_like(k)
+    seqlens = args["cache_seqlens"].clone()
+    call = dict(k_cache=args["k_cache"], v_cache=args["v_cache"], cache_seqlens=seqlens,
+                block_table=args.get("block_table"), causal=True, num_splits=num_splits)
+    for t in (q, k, v):
+        t.normal_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flash_attn.flash_attn_with_kvcache(q, k=k, v=v, **call)  # compiles the kernels
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn.flash_attn_with_kvcache(q, k=k, v=v, **call)
+    for step in range(steps):
+        for t in (q, k, v):
+            t.normal_()
+        lengths = torch.tensor(case.lengths, dtype=torch.int32, device="cuda")
+        seqlens.copy_(torch.where(lengths >= 0, lengths + step, lengths))
+        before = {name: call[name].clone() for name in ("k_cache", "v_cache")}
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_args = dict(q=q, k=k, v=v, **{**call, **before})
+        ref_args.pop("num_splits")
+        ref64 = kvcache_reference(**ref_args)
+        lowp = kvcache_reference(**ref_args, dtype=case.dtype)
+        assert_close_to_reference(f"out, step {step}", out, ref64["out"], lowp["out"])
+        for b, n in enumerate(seqlens.tolist()):
+            if n < 0:
+                continue
+            where = ((args["block_table"][b, n // page_size].item(), n % page_size) if page_size
+                     else (b, n))
+            assert torch.equal(call["k_cache"][where], k[b, 0])
+            assert torch.equal(call["v_cache"][where], v[b, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_gpu_unchecked_call_never_syncs(flash_attn, monkeypatch, page_size):
+    """With the value checks off (as under graph capture), a call performs no host
+    synchronisation: no ``.item()``, no device-to-host copy, no value-sized allocation; the
+    paged varlen call neither (its lengths come as ints, as transformers sends them)."""
+    monkeypatch.setenv("FLASH_ATTN_HUB_CHECK_VALUES", "0")
+    case = Case(page_size=page_size, lengths=(100, 3), seqlen_q=4, seqlen_new=4, heads=(16, 4),
+                head_dim=128, dtype=torch.bfloat16, rotary="interleaved", sink=True)
+    torch.manual_seed(0)
+    args, _ = build(case, "cuda")
+    for splits in (0, 3):  # compile first (a first launch may sync)
+        flash_attn.flash_attn_with_kvcache(**args, num_splits=splits)
+    torch.cuda.synchronize()
+    q, k_cache, v_cache, cq, ck, mq, mk, table = build_paged_varlen(
+        [5, 1, 12], [9, 1, 30], page_size=16, dtype=torch.bfloat16, device="cuda")
+    flash_attn.flash_attn_varlen_func(q, k_cache, v_cache, cq, ck, mq, mk, block_table=table,
+                                      causal=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        flash_attn.flash_attn_with_kvcache(**args, num_splits=0)
+        flash_attn.flash_attn_with_kvcache(**args, num_splits=3)
+        flash_attn.flash_attn_varlen_func(q, k_cache, v_cache, cq, ck, mq, mk, block_table=table,
+                                          causal=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
