@@ -443,8 +443,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if not paged and cache_batch_idx is None and k_cache.shape[0] < batch:
         _fail(ValueError, "k_cache", f"{k_cache.shape[0]} cache rows",
               f"at least one per sequence of q ({batch}), or cache_batch_idx")
-    params = _scalars(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                      softcap=softcap, rotary_interleaved=rotary_interleaved,
+    params = _scalars(q.shape[-1], softmax_scale=softmax_scale, causal=causal,
+                      window_size=window_size, softcap=softcap,
+                      rotary_interleaved=rotary_interleaved,
                       num_splits=num_splits, max_seqlen_q=q.shape[1], max_seqlen_k=capacity)
     return_softmax_lse = _validate.flag("return_softmax_lse", return_softmax_lse)
     s_aux = _validate._check_s_aux(s_aux, q)
@@ -496,8 +497,9 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                                        for t in (q, k_cache, v_cache, s_aux)):
         _fail(ValueError, "block_table", "a paged call on tensors that require grad",
               "no gradient: paged attention is forward only (run it under torch.no_grad())")
-    params = _scalars(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                      softcap=softcap, rotary_interleaved=True, num_splits=0,
+    params = _scalars(q.shape[-1], softmax_scale=softmax_scale, causal=causal,
+                      window_size=window_size, softcap=softcap, rotary_interleaved=True,
+                      num_splits=0,
                       max_seqlen_q=max_q, max_seqlen_k=min(max_k, capacity))
     s_aux = _validate._check_s_aux(s_aux, q)
     alibi_slopes = _validate._check_alibi(alibi_slopes, q, batch)

@@ -16,8 +16,9 @@ one real row of BLOCK_M, and B * Hq programs each walk every key alone (at 4k-12
 the GPU idles). Here B * Hkv * NUM_SPLITS programs share the keys (batched, or varlen as
 transformers' generate calls it for padded batches), each running the forward's own key loop
 (``common.inner_loop``: the same score hooks and band masks) over its range;
-``common.combine_kernel`` then merges a row's splits in a fixed order, so the result does not depend on timing. Which
-calls run here is ``_heuristics.split_applies``'s rule, applied by the dispatcher.
+``common.combine_kernel`` then merges a row's splits in a fixed order, so the result does not
+depend on timing. Which calls run here is ``_heuristics.split_applies``'s rule, applied by the
+dispatcher.
 
 Each split writes its partial output and lse for ``common.combine_kernel`` ([Note: combining
 splits] there).

@@ -30,9 +30,9 @@ Glossary (see also ``common``):
 
 One launch, or two: ``_attend_kernel`` attends over the cache and, given new keys, appends
 them to it ([Note: appending]), writing the output directly when there is one split;
-``common.combine_kernel`` merges the splits in a fixed order, so a result never depends on timing.
-Nothing is read from the device on the host and every buffer's size follows from shapes, so a
-call can be captured in a CUDA graph.
+``common.combine_kernel`` merges the splits in a fixed order, so a result never depends on
+timing. Nothing is read from the device on the host and every buffer's size follows from
+shapes, so a call can be captured in a CUDA graph.
 
 [Note: appending] New key ``j`` of sequence ``b`` goes to cache position ``cache_seqlens[b] +
 j``, which is key column ``first_new + j`` with ``first_new = cache_seqlens[b] - start``. No
@@ -45,10 +45,9 @@ kv head) writes that kv head's new keys and values, BLOCK_WRITE at a time, betwe
 loops (ptxas sm90: written before the cache loop, the write cost the page-16 decode kernel 37
 registers; after the new-key loop, 45 with interleaved rotary; between them, none). Nothing
 reads a slot that is being written, so there is no race, unless two sequences' block tables
-share a page that one of them appends into. A call
-with Sq = 0 runs the writing programs only, over no key. Without new keys (APPEND off) neither
-the second loop nor the write is compiled: the kernel's instructions are those of the attention
-alone.
+share a page that one of them appends into. A call with Sq = 0 runs the writing programs only,
+over no key. Without new keys (APPEND off) neither the second loop nor the write is compiled:
+the kernel's instructions are those of the attention alone.
 
 [Note: masked cache access] Every load and store is masked to the cache: positions past the
 sequence (or past the cache), a block index outside ``[0, num_blocks)``, a cache row outside
