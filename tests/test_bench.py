@@ -218,12 +218,12 @@ def test_cpu_timer_reports_ordered_quantiles_and_clears_gradients():
 @pytest.mark.kernels_ci
 def test_cpu_graph_timer_host_timer_and_copy_fall_back_to_the_wall_clock():
     calls = []
-    fast = timing.Timing(warmup_ms=0, rep_ms=0, host_calls=7)
+    fast = timing.Timing(warmup_ms=0, rep_ms=0, host_calls=10, host_batches=2)
     p20, p50, p80 = timing.graph_quantiles(lambda: calls.append(1), device="cpu", timing=fast)
     assert 0 <= p20 <= p50 <= p80 and len(calls) >= 6
     calls.clear()
     assert timing.host_ms(lambda: calls.append(1), device="cpu", timing=fast) >= 0
-    assert len(calls) == 20 + 7  # untimed warm-up, then the timed calls
+    assert len(calls) == 20 + 10  # untimed warm-up, then two timed batches of 5
     assert timing.copy_gbps("cpu", nbytes=1 << 20, timing=fast) > 0
 
 

@@ -62,10 +62,13 @@ METHOD = """\
   call is timed inside a CUDA graph ({calls} calls per replay, median of {replays} replays):
   the device's time, without the host's. GB/s = the K and V bytes a call must read / median
   time; %copy = that over the bytes read + written per second by a device-to-device copy
-  (the faster of a memcpy and an elementwise copy kernel), measured once per run the same way. Host time: wall time per eager call over {host}
-  back-to-back calls on the smallest cells. The oracle is `kvcache_reference`, on the last
-  sequence. Cells whose K+V exceed a third of the GPU's memory are skipped.
-""".format(calls=Timing.graph_calls, replays=Timing.graph_replays, host=Timing.host_calls)
+  (the faster of a memcpy and an elementwise copy kernel), measured once per run the same way;
+  a kernel that only reads can pass 100% of a copy that reads and writes. Host time: wall time
+  per eager call, the median of {batches} batches of {per} back-to-back calls, on the smallest
+  cells. The oracle is `kvcache_reference`, on the last sequence. Cells whose K+V exceed a
+  third of the GPU's memory are skipped.
+""".format(calls=Timing.graph_calls, replays=Timing.graph_replays, batches=Timing.host_batches,
+           per=Timing.host_calls // Timing.host_batches)
 
 
 def _fmt(v) -> str:

@@ -21,6 +21,7 @@ do not measure kernels.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from typing import Callable, Iterable
 
@@ -35,6 +36,7 @@ class Timing:
     graph_calls: int = 20  # calls captured per CUDA graph (graph_quantiles)
     graph_replays: int = 5  # timed replays, after one untimed
     host_calls: int = 300  # eager calls per host_ms measurement, after 20 untimed
+    host_batches: int = 5  # host_ms takes the median batch of host_calls / host_batches calls
 
 
 def _is_cuda(device) -> bool:
@@ -108,21 +110,27 @@ def graph_quantiles(fn: Callable[[], object], *, device: torch.device | str = "c
 
 def host_ms(fn: Callable[[], object], *, device: torch.device | str = "cuda", timing: Timing = Timing()) -> float:
     """Host milliseconds per eager call of ``fn``: 20 untimed calls, then ``timing.host_calls``
-    calls issued back to back under ``time.perf_counter``; the GPU is drained before the clock
-    starts and after it stops. Meaningful where the device finishes a call before the host
-    issues the next one (otherwise the launch queue fills and the host waits for the GPU)."""
+    calls issued back to back under ``time.perf_counter`` in ``timing.host_batches`` batches,
+    the median batch's time per call (a batch that a background task on the host slowed down
+    does not move it: on one H100 host two identical cells read 206 and 373 us from a single
+    mean). The GPU is drained before the clock starts and after it stops. Meaningful where the
+    device finishes a call before the host issues the next one (otherwise the launch queue
+    fills and the host waits for the GPU)."""
     cuda = _is_cuda(device)
     for _ in range(20):
         fn()
     if cuda:
         torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(timing.host_calls):
-        fn()
-    elapsed = time.perf_counter() - start
+    per_batch = max(1, timing.host_calls // timing.host_batches)
+    times = []
+    for _ in range(timing.host_batches):
+        start = time.perf_counter()
+        for _ in range(per_batch):
+            fn()
+        times.append((time.perf_counter() - start) / per_batch)
     if cuda:
         torch.cuda.synchronize(device)
-    return elapsed / timing.host_calls * 1e3
+    return statistics.median(times) * 1e3
 
 
 def copy_gbps(device: torch.device | str = "cuda", *, nbytes: int | None = None, timing: Timing = Timing()) -> float:
