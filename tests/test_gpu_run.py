@@ -39,3 +39,39 @@ def test_bench_phase_archives_the_page_and_the_logs(tmp_path):
     with tarfile.open(out / "logs.tgz") as tar:
         assert tar.getnames() == ["bench.log"]
     assert sorted(p.name for p in out.iterdir()) == ["bench.tgz", "logs.tgz"]
+
+
+# Stands in for python3 in the build phase: the build reports whether the carried object is in
+# the cache, adds one of its own and prints the variant path last; check passes.
+FAKE_BUILD_PYTHON = """#!/usr/bin/env bash
+if [[ $1 == -m && $2 == flash_attn_hub && $3 == build ]]; then
+  [[ -f $FLASH_ATTN_HUB_CACHE/obj/carried/obj.o ]] && echo "carried object found" >>"$CALLS"
+  mkdir -p "$FLASH_ATTN_HUB_CACHE/obj/built" && : >"$FLASH_ATTN_HUB_CACHE/obj/built/obj.o"
+  echo "$VARIANT"
+elif [[ $1 == -m && $2 == flash_attn_hub && $3 == check ]]; then
+  echo "check $4" >>"$CALLS"
+fi
+"""
+
+
+def test_build_phase_reuses_carried_objects_and_sends_them_back(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_BUILD_PYTHON)
+    (bin_dir / "python3").chmod(0o755)
+    carried = tmp_path / "carried" / "obj" / "carried"
+    carried.mkdir(parents=True)
+    (carried / "obj.o").write_text("")
+    archive = tmp_path / "cuda-objects-in.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(tmp_path / "carried" / "obj", arcname="obj")
+    out, cache, calls = tmp_path / "out", tmp_path / "cache", tmp_path / "calls"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out),
+           "CALLS": str(calls), "FLASH_ATTN_HUB_CACHE": str(cache), "CUDA_OBJECTS": str(archive),
+           "VARIANT": str(tmp_path / "variant")}
+    done = subprocess.run(["bash", str(REPO_ROOT / "tools" / "gpu_run.sh"), "build"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert calls.read_text().splitlines() == ["carried object found", f"check {tmp_path / 'variant'}"]
+    with tarfile.open(out / "cuda-objects.tgz") as tar:
+        assert {"obj/carried/obj.o", "obj/built/obj.o"} <= set(tar.getnames())

@@ -10,7 +10,8 @@
 #           two halves of .fa4/ (tools/README.md) when they are there; records GPU and versions.
 #           Every call needs it: what it exports does not outlive the call.
 # build     the CUDA variant into build/ (python -m flash_attn_hub build --backend cuda), then
-#           checked; the later phases load it from there.
+#           checked; the later phases load it from there. A carried .cuda-objects.tgz (the
+#           $OUT/cuda-objects.tgz of an earlier call) spares recompiling unchanged sources.
 # test      the GPU tests (pytest -m gpu) against that build; TEST_ARGS narrows them
 #           (e.g. "tests/test_cuda_bwd.py -k gqa").
 # sanitize  compute-sanitizer's memcheck, racecheck and synccheck on the tests marked sanitize.
@@ -81,7 +82,16 @@ for phase in "${phases[@]}"; do
       python3 -c "from flash_attn.cute import flash_attn_func; from importlib.metadata import version; print('flash-attn-4', version('flash-attn-4'))" 2>/dev/null | tee -a "$OUT/gpu.txt"
       ;;
     build)
+      # Objects compiled on an earlier GPU machine travel as $CUDA_OBJECTS (carry it): the
+      # build reuses each one whose compiler, flags, source and headers are unchanged
+      # (build_cuda.py's cache), so a fresh machine recompiles only what changed. The objects
+      # after this build go back as $OUT/cuda-objects.tgz, to carry next time.
+      cache=${FLASH_ATTN_HUB_CACHE:-build/.cache/cuda}
+      if [[ -f ${CUDA_OBJECTS:-.cuda-objects.tgz} ]]; then
+        mkdir -p "$cache" && tar xzf "${CUDA_OBJECTS:-.cuda-objects.tgz}" -C "$cache"
+      fi
       run_phase build python3 -m flash_attn_hub build --backend cuda
+      [[ -d $cache/obj ]] && tar czf "$OUT/cuda-objects.tgz" -C "$cache" obj
       variant=$(tail -n 1 "$OUT/build.log")  # build prints the variant path last
       [[ -n $variant ]] && run_phase check python3 -m flash_attn_hub check "$variant"
       ;;
