@@ -8,7 +8,8 @@ Covered: bf16/fp16 x every compiled backward head dim (and head dims between the
 Sq != Sk both ways with sizes off the 64/128 tiles, Sq = 1, rows that see a single key (dS = 0:
 dQ and dK held to the noise the rounding of O implies); causal, sliding windows, softcap,
 sinks (with the s_aux gradient and fully masked rows); GQA ratios 1, 2, 4, 8 and MQA (dK/dV
-summed over the group inside the kernel); varlen with empty and length-1 sequences; transposed
+summed over the group inside the kernel); varlen with empty and length-1 sequences; the
+block-major step order with several heads per CTA; transposed
 and packed strides; agreement with the Triton backward; the head-dim split above D=128 (GQA,
 MQA, bands, varlen, sinks, softcap, group split, deterministic mode). CPU-only checks cover
 `supports` and the launch's CTA count.
@@ -223,6 +224,36 @@ def test_group_split(cuda_backend, heuristics, attn_params, monkeypatch, case, s
     assert chosen == [splits], "the split launch did not run"
     if params.deterministic:
         _assert_bitwise_reproducible(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", ["gqa4", "mqa", "more_queries", "varlen", "sinks_softcap"])
+@pytest.mark.parametrize("d", [128, 120])
+def test_block_major_steps(cuda_backend, heuristics, attn_params, monkeypatch, case, d):
+    """[Note] Backward step order (csrc/hopper/bwd_kernel.h): at head dim 128 under a causal band
+    of at most 64 key blocks, without a group split, a CTA walks its query blocks downwards with
+    all its query heads on each. The split is forced to 1 so that several heads share a CTA (the
+    split rule would pick more at these sizes); GQA and MQA groups, more queries than keys
+    (leading rows see no key), varlen sequences of different lengths beside empty and one-token
+    ones, sinks with softcap, and a head dim padded to 128."""
+    monkeypatch.setattr(heuristics, "cuda_group_splits", lambda *a: 1)
+    torch.manual_seed(d + len(case))
+    cu_q = cu_k = s_aux = None
+    softcap = 0.0
+    if case == "varlen":
+        q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv(
+            [700, 0, 1, 129, 300], [700, 3, 1, 129, 1200], 8, 2, d, device="cuda")
+    else:
+        hkv, sq, sk = {"gqa4": (2, 640, 1000), "mqa": (1, 500, 500),
+                       "more_queries": (2, 1300, 700), "sinks_softcap": (2, 640, 640)}[case]
+        q, k, v = seeded_cuda_qkv(2, sq, sk, 8, hkv, d, seed=d + sq)
+        max_q, max_k = sq, sk
+        if case == "sinks_softcap":
+            s_aux, softcap = torch.randn(8, device="cuda"), 6.0
+    params = backend_params(attn_params, d, causal=True, softcap=softcap, max_q=max_q,
+                            max_k=max_k)
+    _check(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k, s_aux=s_aux, label=case)
 
 
 @pytest.mark.gpu

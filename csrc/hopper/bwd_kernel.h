@@ -8,7 +8,8 @@
 //                ([Note] Backward group split in csrc/flash_params.h) one of group_splits CTAs
 //                of that key block, each over its share of the query heads, writing fp32
 //                partials the caller sums
-//   step         one (query head of the group, query block of kBlockM rows) the CTA visits
+//   step         one (query head of the group, query block of kBlockM rows) the CTA visits, in
+//                the order of [Note] Backward step order
 //   producer     warpgroup 0, warp 0: one elected thread issues the copy-engine loads of K and V
 //                (once) and of Q, dO, lse2, delta (per step, kStages deep)
 //   dQ warp      warpgroup 0, warp 1: sends each step's fp32 dQ tile to dq_acc (one bulk
@@ -66,6 +67,21 @@
 // threads reduce and fence, both consumers meet, and consumer 0's thread 0 publishes the next
 // rank.
 //
+// [Note] Backward step order
+// A CTA's steps either take its query heads in turn, each over all its query blocks upwards
+// (head-major), or its query blocks downwards, each for all its heads in turn (block-major).
+// Block-major puts every CTA of one (kv head, batch) on the last query blocks first, where all
+// of them start at about the same time under a causal band, so they read the same Q and dO and
+// add into the same dQ rows close together in time: one L2 working set instead of one per CTA.
+// Head-major sends CTA n over its own range of blocks, 2n.. at 128 keys per CTA, once per head.
+// Block-major gained most where many CTAs of a pair run at once with several heads each (Llama
+// 64/8 below 16k keys), and lost where one pair's CTAs fill a whole wave and all meet on every
+// block (16k keys at B=1); measurements in docs/performance.md (Backward, block-major steps).
+// So it runs where it was measured to gain: a causal band without a left bound over at most
+// kBlockMajorKeyBlocks key blocks, head dim 128, no group split; and not in deterministic mode,
+// where the turns would chain the CTAs that meet on a block one step apart. The choice is made
+// in launch_bwd (bwd_launch.h).
+//
 // [Note] Deterministic dQ
 // With a semaphore array (one int per workspace block, zeroed by the preprocess), the CTAs that add into one dQ
 // block do so in increasing key-block order: CTA n waits until the block's counter equals its
@@ -90,7 +106,24 @@ struct BwdArgs {
   float scale_log2;      // as FwdArgs
   float scale_over_cap;
   float grad_scale;      // softmax scale: dK and dQ are multiplied by it once
+  int block_major;       // [Note] Backward step order
 };
+
+// Key blocks up to which a causal band takes block-major steps ([Note] Backward step order).
+constexpr int kBlockMajorKeyBlocks = 64;
+
+// Step j of a CTA over `heads` query heads and the query blocks [m_min, m_min + m_count): its
+// query head (counted from the CTA's first) and query block ([Note] Backward step order).
+__device__ __forceinline__ void step_at(int j, bool block_major, int heads, int m_min,
+                                        int m_count, int& head, int& m) {
+  if (block_major) {
+    head = j % heads;
+    m = m_min + m_count - 1 - j / heads;
+  } else {
+    head = j / m_count;
+    m = m_min + j % m_count;
+  }
+}
 
 constexpr int kBwdProducerRegisters = 24;
 constexpr int kBwdConsumerRegisters = 240;  // 128 x 24 + 256 x 240 = 64512 <= 65536
@@ -237,14 +270,17 @@ __device__ __forceinline__ void store_rows(const Frag& acc, float mul, Element* 
 template <class Traits>
 __device__ __forceinline__ void bwd_dq_warp(const FlashBwdParams& p, const SeqInfo& seq, int batch,
                                             int head0, int n_block, int m_min, int m_count,
-                                            int steps, const float* dq_tile, int lane) {
+                                            int heads, int steps, bool block_major,
+                                            const float* dq_tile, int lane) {
   constexpr int M = Traits::kBlockM;
   const FlashParams& f = p.fwd;
   for (int j = 0; j < steps; ++j) {
     named_barrier_sync(kDqFullBarrier, kDqThreads);
     if (lane == 0) {
-      const int head = head0 + j / m_count;
-      const int q_lo = (m_min + j % m_count) * M;
+      int head, m;
+      step_at(j, block_major, heads, m_min, m_count, head, m);
+      head += head0;
+      const int q_lo = m * M;
       const int64_t ws_row = workspace_row(p, batch, head) + q_lo;
       int* turn = p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + ws_row / kWorkspaceRows;
       int rank = 0;
@@ -367,8 +403,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kBwdProducerRegisters>();
     if (!kSplit && warp == 1 && steps > 0) {
-      bwd_dq_warp<Traits>(p, seq, batch, head0, n_block, m_min, m_count, steps,
-                          reinterpret_cast<const float*>(smem + Traits::kOffsetDq), lane);
+      const float* dq_tile = reinterpret_cast<const float*>(smem + Traits::kOffsetDq);
+      bwd_dq_warp<Traits>(p, seq, batch, head0, n_block, m_min, m_count, heads_per_split, steps,
+                          args.block_major, dq_tile, lane);
     }
     if (warp != 0 || !elect_one_sync() || steps == 0) return;
     prefetch_tma_descriptor(&args.tma_q);
@@ -381,8 +418,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     load_tile<Traits>(&args.tma_v, bar_kv, smem_v, N, key_row, kv_head, seq.tma_batch);
     PipelineState<Traits> st;
     for (int j = 0; j < steps; ++j) {
-      const int head = head0 + j / m_count;
-      const int m = m_min + j % m_count;
+      int head, m;
+      step_at(j, args.block_major, heads_per_split, m_min, m_count, head, m);
+      head += head0;
       const int q_row = seq.q_start + m * M;
       const int64_t ws = workspace_row(p, batch, head) + m * M;
       Barrier::wait(&empty[st.stage], st.phase ^ 1u);
@@ -473,7 +511,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     }
     PipelineState<Traits> st;
     for (int j = 0; j < steps; ++j) {
-      const int m = m_min + j % m_count;
+      int head, m;
+      step_at(j, args.block_major, heads_per_split, m_min, m_count, head, m);
       const int q_lo = m * M;
       Barrier::wait(&full[st.stage], st.phase);
 
@@ -622,7 +661,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       warpgroup_fence_operand(tDsa_words);
       Barrier::arrive(&empty[st.stage]);
       if constexpr (kSplit) {
-        bwd_dq_from_registers<Traits>(p, seq, batch, head0 + j / m_count, q_lo, n_block, tQrDq,
+        bwd_dq_from_registers<Traits>(p, seq, batch, head0 + head, q_lo, n_block, tQrDq,
                                       wg, tid);
       } else {
         CUTE_UNROLL

@@ -47,6 +47,11 @@ FwdStatus launch_bwd(const FlashBwdParams& p, cudaStream_t stream, char* why, in
   }
   score_scales<Traits::kSoftcap>(f, args.scale_log2, args.scale_over_cap);
   args.grad_scale = f.scale;
+  const int key_blocks = (f.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  // [Note] Backward step order
+  args.block_major = Traits::kWindow && Traits::kHeadDim == 128 && f.window_right == 0 &&
+                     f.window_left < 0 && p.dq_semaphore == nullptr && p.group_splits == 1 &&
+                     key_blocks <= kBlockMajorKeyBlocks;
 
   // the preprocess also writes the padding rows up to the alignment; the cast has none to write
   const dim3 rows_grid(workspace_rows_of(f.seqlen_q) / kWorkspaceRows, f.heads_q, f.batch);
@@ -68,8 +73,7 @@ FwdStatus launch_bwd(const FlashBwdParams& p, cudaStream_t stream, char* why, in
   }
   if (err == cudaSuccess && f.seqlen_k > 0) {
     // [Note] Backward group split: group_splits CTAs per (key block, kv head, batch)
-    const dim3 grid((f.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN,
-                    f.heads_kv * p.group_splits, f.batch);
+    const dim3 grid(key_blocks, f.heads_kv * p.group_splits, f.batch);
     kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
     err = cudaGetLastError();
   }
