@@ -328,7 +328,8 @@ def test_triton_appends_inside_the_attention_launch(flash_attn, triton_device, m
         return launch(launcher, bound, grid, leading)
 
     monkeypatch.setattr(launcher_type, "launch", recording)
-    case = Case(page_size=4, lengths=(20, 9), seqlen_new=3, seqlen_q=2, rotary="interleaved")
+    # over 128 keys of capacity: a GPU's 128-key steps (pages of 4) have two blocks to split
+    case = Case(page_size=4, lengths=(140, 9), seqlen_new=3, seqlen_q=2, rotary="interleaved")
     for num_splits, kernels in ((1, ["_attend_kernel"]),
                                 (2, ["_attend_kernel", "combine_kernel"])):
         launched.clear()
