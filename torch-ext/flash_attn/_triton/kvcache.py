@@ -478,10 +478,12 @@ class _Plan:
 
 
 # [Note: launch plans] A decode loop repeats one call shape, and deriving its launch (tiles,
-# splits, strides, constexprs) took most of the host time left around the launches. Plans are
-# memoised on everything they read: the sizes and strides of every tensor the kernel indexes,
-# which optional tensors are present, the params, the tiles override and the device (its SM
-# count and arch). Nothing in a plan depends on a tensor's values or address.
+# splits, strides, constexprs) was a large share of an eager call's host time under cProfile.
+# Plans are memoised on everything they read: the sizes and strides of every tensor the kernel
+# indexes, which optional tensors are present, the params, the tiles override and the device
+# (its SM count and arch). Nothing in a plan depends on a tensor's values or address. Module
+# constants (the tile rules, ``common.COMBINE_BLOCK_S``) are read when a plan is made: a test
+# that changes one starts from an empty ``_plans``.
 _plans: dict = {}
 _MAX_PLANS = 256
 _attend = CachedLauncher(_attend_kernel)
