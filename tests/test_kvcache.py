@@ -281,6 +281,8 @@ def test_triton_splits_match_oracle_and_repeat_bitwise(flash_attn, triton_device
     if combine_chunk:
         monkeypatch.setattr(submodule(flash_attn, "_triton.common"), "COMBINE_BLOCK_S",
                             combine_chunk)
+        # launch plans read the constant when they are made: none made without it is reused
+        monkeypatch.setattr(submodule(flash_attn, "_triton.kvcache"), "_plans", {})
     case = Case(page_size=16, lengths=(40, 3, 70), seqlen_new=2, seqlen_q=2, sink=True)
     run_case(flash_attn, case, device=triton_device, num_splits=num_splits)
     torch.manual_seed(1)
@@ -316,17 +318,18 @@ def test_triton_long_appends_match_oracle(flash_attn, triton_device, name, num_s
 
 def test_triton_appends_inside_the_attention_launch(flash_attn, triton_device, monkeypatch):
     """The attention kernel writes the new keys itself: a call with new keys launches it alone,
-    or with the combine when the keys are split, and no append kernel."""
-    from triton.runtime.jit import KernelInterface
+    or with the combine when the keys are split, and no append kernel. Every launch goes through
+    a cached launcher (``_triton/launch.py``), whether or not it reuses a compiled kernel."""
+    launcher_type = submodule(flash_attn, "_triton.launch").CachedLauncher
+    launched, launch = [], launcher_type.launch
 
-    launched, launch = [], KernelInterface.__getitem__
+    def recording(launcher, bound, grid, leading):
+        launched.append(launcher.fn.fn.__name__)
+        return launch(launcher, bound, grid, leading)
 
-    def recording(kernel, grid):
-        launched.append(kernel.fn.__name__)
-        return launch(kernel, grid)
-
-    monkeypatch.setattr(KernelInterface, "__getitem__", recording)
-    case = Case(page_size=4, lengths=(20, 9), seqlen_new=3, seqlen_q=2, rotary="interleaved")
+    monkeypatch.setattr(launcher_type, "launch", recording)
+    # over 128 keys of capacity: a GPU's 128-key steps (pages of 4) have two blocks to split
+    case = Case(page_size=4, lengths=(140, 9), seqlen_new=3, seqlen_q=2, rotary="interleaved")
     for num_splits, kernels in ((1, ["_attend_kernel"]),
                                 (2, ["_attend_kernel", "combine_kernel"])):
         launched.clear()

@@ -32,9 +32,10 @@ from triton.runtime.jit import JITFunction, native_specialize_impl  # noqa: E402
 
 SOURCE_PACKAGE = Path(__file__).resolve().parents[1] / "torch-ext" / "flash_attn"
 SHARED_LIMIT = {90: 232448, 80: 166912}  # bytes of shared memory a block may use
-# (module, kernel) of every launch a kv-cache call with new keys and splits makes, in order:
-# the attention kernel appends the new keys itself
-KERNELS = (("kvcache", "_attend_kernel"), ("common", "combine_kernel"))
+# (module, launcher, kernel) of every launch a kv-cache call with new keys and splits makes, in
+# order (the attention kernel appends the new keys itself); each goes through its module's
+# cached launcher (``_triton/launch.py``), which is what the recorder replaces
+KERNELS = (("kvcache", "_attend", "_attend_kernel"), ("common", "_combine", "combine_kernel"))
 
 
 def _modules():
@@ -53,11 +54,19 @@ def _modules():
 
 
 class _Recorder:
-    def __init__(self, fn, calls):
+    """Stands in for a cached launcher: ``bind(*trailing, **constexprs)[grid](*leading)``
+    records ``(kernel, leading + trailing, constexprs)`` instead of launching."""
+
+    def __init__(self, fn, calls, trailing=(), constexprs=None):
         self.fn, self.calls = fn, calls
+        self.trailing, self.constexprs = trailing, constexprs
+
+    def bind(self, *trailing, **constexprs):
+        return _Recorder(self.fn, self.calls, trailing, constexprs)
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((self.fn, args, kwargs))
+        return lambda *leading: self.calls.append((self.fn, leading + self.trailing,
+                                                   dict(self.constexprs)))
 
 
 def _compile(fn: JITFunction, args, kwargs, arch: int):
@@ -109,9 +118,9 @@ def check(label: str, arch: int) -> list[str]:
     modules = {"kvcache": kernel, "common": sys.modules[kernel.__package__ + ".common"]}
     calls = []
     originals = {(m, name): getattr(modules[m], name)
-                 for m, name in KERNELS + (("kvcache", "hopper_or_later"),)}
-    for m, name in KERNELS:
-        setattr(modules[m], name, _Recorder(originals[m, name], calls))
+                 for m, name, _ in KERNELS + (("kvcache", "hopper_or_later", None),)}
+    for m, name, _ in KERNELS:
+        setattr(modules[m], name, _Recorder(originals[m, name].fn, calls))
     kernel.hopper_or_later = lambda device: arch >= 90
     try:
         _launch(kernel, params_type, label, calls)
@@ -119,7 +128,7 @@ def check(label: str, arch: int) -> list[str]:
         for (m, name), value in originals.items():
             setattr(modules[m], name, value)
     problems = []
-    if [fn.fn.__name__ for fn, _, _ in calls] != [name for _, name in KERNELS]:
+    if [fn.fn.__name__ for fn, _, _ in calls] != [name for _, _, name in KERNELS]:
         problems.append(f"launched {[fn.fn.__name__ for fn, _, _ in calls]}")
     for fn, args, kwargs in calls:
         name = fn.fn.__name__

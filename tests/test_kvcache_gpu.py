@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from flash_attn_hub.reference import assert_close_to_reference, kvcache_reference
-from test_kvcache import Case, build, build_paged_varlen, run_case
+from helpers import submodule
+from test_kvcache import Case, _copy_layout, build, build_paged_varlen, run_case
 
 GPU_CASES = {
     "decode_gqa_page16": Case(page_size=16, lengths=(1000, 17, 2500, 0), heads=(32, 8),
@@ -112,3 +113,91 @@ def test_gpu_unchecked_call_never_syncs(flash_attn, monkeypatch, page_size):
                                           causal=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def _launchers(flash_attn):
+    """The cached launchers (``_triton/launch.py``) of the attention kernel and the combine."""
+    return (submodule(flash_attn, "_triton.kvcache")._attend,
+            submodule(flash_attn, "_triton.common")._combine)
+
+
+def _triton_path_disabled(*args, **kwargs):
+    raise AssertionError("a launch took Triton's path (JITFunction.run)")
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_reuses_its_compiled_kernels_bitwise(flash_attn, monkeypatch):
+    """The decode step of tools/host_overhead.py (B=1, 4k keys, GQA 32/8, D=128, one new token,
+    value checks off) twice: first through Triton's launch, then through the cached launchers
+    with Triton's path disabled. Output, lse and caches come out bitwise equal."""
+    monkeypatch.setenv("FLASH_ATTN_HUB_CHECK_VALUES", "0")
+    case = Case(lengths=(4095,), heads=(32, 8), head_dim=128, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    args, _ = build(case, "cuda")
+    launchers = _launchers(flash_attn)
+    for launcher in launchers:
+        assert launcher.enabled
+        launcher.clear()
+
+    def step():
+        caches = {name: args[name].clone() for name in ("k_cache", "v_cache")}
+        out, lse = flash_attn.flash_attn_with_kvcache(**{**args, **caches}, num_splits=4,
+                                                      return_softmax_lse=True)
+        return out, lse, caches["k_cache"], caches["v_cache"]
+
+    first = step()
+    assert [len(launcher) for launcher in launchers] == [1, 1]  # split: attention + combine
+    for launcher in launchers:
+        monkeypatch.setattr(launcher.fn, "run", _triton_path_disabled)
+    second = step()
+    for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), first, second):
+        bits = {2: torch.int16, 4: torch.int32}[a.element_size()]  # (the caches hold NaN)
+        assert torch.equal(a.view(bits), b.view(bits)), (
+            f"{name} differs between Triton's launch and the cached one")
+
+
+def _unaligned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` (contiguous) whose data pointer is 2 bytes past a 16-byte boundary."""
+    base = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)
+    return base[1:1 + t.numel()].view(t.shape).copy_(t)
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` as the first D columns of a ``(.., D + 8)`` allocation: its head stride
+    (D + 8 elements) is no multiple of 16, which Triton specialises on."""
+    wide = torch.full((*t.shape[:-1], t.shape[-1] + 8), float("nan"), dtype=t.dtype,
+                      device=t.device)
+    return wide[..., :t.shape[-1]].copy_(t)
+
+
+@pytest.mark.gpu
+def test_gpu_cached_launch_respecialises(flash_attn, monkeypatch):
+    """A call Triton would compile differently (q not 16-byte aligned; cache head strides no
+    multiple of 16) goes through Triton's path and its own kernel, never a cached kernel of
+    another specialisation; a repeat of the first call does not. Each result is checked
+    against the oracle."""
+    monkeypatch.setenv("FLASH_ATTN_HUB_CHECK_VALUES", "0")
+    case = Case(lengths=(1000, 17), heads=(32, 8), head_dim=128, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    args, _ = build(case, "cuda")
+    ref64, lowp = kvcache_reference(**args), kvcache_reference(**args, dtype=case.dtype)
+    attend = _launchers(flash_attn)[0]
+    attend.clear()
+    compiles, jit_run = [], attend.fn.run
+
+    def counted(*a, **kw):
+        compiles.append(1)
+        return jit_run(*a, **kw)
+
+    monkeypatch.setattr(attend.fn, "run", counted)
+    layouts = {"contiguous": {}, "repeat": {}, "q unaligned": {"q": _unaligned(args["q"])},
+               "wide caches": {"k_cache": _wide(args["k_cache"]),
+                               "v_cache": _wide(args["v_cache"])}}
+    expected = {"contiguous": 1, "repeat": 1, "q unaligned": 2, "wide caches": 3}
+    for label, changes in layouts.items():
+        call = {**args, **changes}
+        call.update(k_cache=_copy_layout(call["k_cache"]), v_cache=_copy_layout(call["v_cache"]))
+        out = flash_attn.flash_attn_with_kvcache(**call)
+        torch.cuda.synchronize()
+        assert len(compiles) == expected[label], label
+        assert_close_to_reference(f"out, {label}", out, ref64["out"], lowp["out"])

@@ -201,11 +201,13 @@ def _modes_or_transforms_active() -> bool:
                 or torch._C._functorch.maybe_current_level() is not None)
 
 
+_PLAIN_INPUTS = frozenset((Tensor, type(None)))  # exactly: no subclass
+
+
 def _direct(tensors) -> bool:
     """True when calling the op bodies directly is indistinguishable from calling the ops
     ([Note: direct eager calls])."""
-    return (not torch.compiler.is_compiling()
-            and all(t is None or type(t) is Tensor for t in tensors)
+    return (not torch.compiler.is_compiling() and _PLAIN_INPUTS.issuperset(map(type, tensors))
             and not _modes_or_transforms_active())
 
 

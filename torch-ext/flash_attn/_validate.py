@@ -209,35 +209,39 @@ def _window(window_size, causal: bool) -> tuple:
 # reuses the checked result of an earlier call with the same values and types. Anything else
 # (a tensor, a numpy scalar, a symbolic value inside a trace) is checked every time, and a
 # rejected value is never stored, so every bad input still raises.
-_PLAIN = (bool, int, float, type(None))
+_PLAIN = frozenset((bool, int, float, type(None)))
+_SEQUENCES = frozenset((tuple, list))  # of ints
+_PLAIN_OR_SEQUENCES = _PLAIN | _SEQUENCES
 _MEMO_SIZE = 512
 
 
 def _plain_key(values: tuple):
     """A hashable, type-exact key of ``values``, or None when one is not plain."""
+    kinds = tuple(map(type, values))
+    if _PLAIN.issuperset(kinds):
+        return kinds, values
+    if not _PLAIN_OR_SEQUENCES.issuperset(kinds):
+        return None
     key = []
-    for value in values:
-        kind = type(value)
-        if kind in _PLAIN:
-            key.append((kind, value))
-        elif kind in (tuple, list) and all(type(x) is int for x in value):
-            key.append((kind, tuple(value)))
-        else:
-            return None
-    return tuple(key)
+    for value, kind in zip(values, kinds):
+        if kind in _SEQUENCES:
+            if not all(type(x) is int for x in value):
+                return None
+            value = tuple(value)
+        key.append(value)
+    return kinds, tuple(key)
 
 
 def memo_plain_scalars(fn):
     """``fn`` (of scalars only, positional or keyword) memoised on plain values ([Note: scalar
-    memo]); outside a torch.compile trace only."""
+    memo]); outside a torch.compile trace only. Keywords in another order are another key."""
     memo: dict = {}
 
     def wrapper(*args, **kwargs):
-        names = tuple(sorted(kwargs))
-        key = None if _compiling() else _plain_key(args + tuple(kwargs[n] for n in names))
+        key = None if _compiling() else _plain_key(args + tuple(kwargs.values()))
         if key is None:
             return fn(*args, **kwargs)
-        key = (names, key)
+        key = (tuple(kwargs), key)
         hit = memo.get(key)
         if hit is None:
             hit = fn(*args, **kwargs)

@@ -76,6 +76,16 @@ def _kvcache_body(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tenso
                            window_right=window_right, softcap=softcap,
                            rotary_interleaved=rotary_interleaved, num_splits=num_splits,
                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    return _body_with_params(params, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                             cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                             cu_seqlens_q, cu_seqlens_k, alibi_slopes, s_aux)
+
+
+def _body_with_params(params: KvCacheParams, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                      cache_seqlens, cache_batch_idx, cache_leftpad, block_table, cu_seqlens_q,
+                      cu_seqlens_k, alibi_slopes, s_aux) -> tuple[Tensor, Tensor]:
+    """The op's body with its scalars as one :class:`KvCacheParams` (tensors in the op's
+    order): allocates ``out``/``lse`` and runs the chosen backend."""
     out = _custom_ops._new_output(q.shape, q.dtype, q.device)
     lse = _custom_ops._new_output(_lse_shape(q, cu_seqlens_q), torch.float32, q.device)
     if q.shape[0] == 0 or q.shape[-2] == 0:
@@ -108,30 +118,37 @@ def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]):
     return (q.shape[1], q.shape[0])
 
 
-def _run(tensors: dict, params: KvCacheParams) -> tuple[Tensor, Tensor]:
+def _run(params: KvCacheParams, q: Tensor, k_cache: Tensor, v_cache: Tensor, *, k=None, v=None,
+         rotary_cos=None, rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+         cache_leftpad=None, block_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
+         alibi_slopes=None, s_aux=None) -> tuple[Tensor, Tensor]:
     """The op, or its body when nothing could observe the difference (see ``_custom_ops``'
     [Note: direct eager calls])."""
-    inputs = [tensors.get(name) for name in TENSORS]
-    args = inputs + [getattr(params, name) for name in PARAM_FIELDS]
+    inputs = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+              cache_leftpad, block_table, cu_seqlens_q, cu_seqlens_k, alibi_slopes, s_aux)
     if _custom_ops._direct(inputs):
-        return _kvcache_body(*args)
-    return kvcache_fwd(*args)
+        return _body_with_params(params, *inputs)
+    return kvcache_fwd(*inputs, *(getattr(params, name) for name in PARAM_FIELDS))
 
 
 # -- checks --------------------------------------------------------------------------------
 
-def _tensor(name: str, t, rank: int, layout: str) -> Tensor:
-    if not isinstance(t, torch.Tensor):
-        _fail(TypeError, name, type(t).__name__, f"a torch.Tensor of shape {layout}")
-    if t.dim() != rank:
+def _tensor(name: str, t, rank: int, layout) -> Tensor:
+    """``t`` when it is a ``rank``-d tensor; ``layout``: its shape in words, or a function
+    that spells it (only a failing call pays for the text)."""
+    if not isinstance(t, torch.Tensor) or t.dim() != rank:
+        layout = layout() if callable(layout) else layout
+        if not isinstance(t, torch.Tensor):
+            _fail(TypeError, name, type(t).__name__, f"a torch.Tensor of shape {layout}")
         _fail(ValueError, name, f"a {t.dim()}-d tensor of shape {tuple(t.shape)}",
               f"a {rank}-d tensor {layout}")
     return t
 
 
-def _same_device(name: str, t: Tensor, q: Tensor) -> None:
-    if t.device != q.device:
-        _fail(ValueError, name, f"device {t.device}", f"the device of q ({q.device})")
+def _same_device(name: str, t: Tensor, device: torch.device) -> None:
+    """``t`` is on ``device``, q's."""
+    if t.device != device:
+        _fail(ValueError, name, f"device {t.device}", f"the device of q ({device})")
 
 
 def _last_stride_one(name: str, t: Tensor) -> None:
@@ -145,14 +162,14 @@ def _index_vector(name: str, t, batch: int, q: Tensor, what: str) -> Optional[Te
     with unit stride)."""
     if t is None:
         return None
-    accepted = f"None or an int32 tensor of shape ({batch},): {what}"
-    if not isinstance(t, torch.Tensor):
-        _fail(TypeError, name, type(t).__name__, accepted)
-    if t.dtype != torch.int32:
-        _fail(TypeError, name, f"dtype {t.dtype}", accepted)
-    if tuple(t.shape) != (batch,):
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (batch,):
+        accepted = f"None or an int32 tensor of shape ({batch},): {what}"
+        if not isinstance(t, torch.Tensor):
+            _fail(TypeError, name, type(t).__name__, accepted)
+        if t.dtype != torch.int32:
+            _fail(TypeError, name, f"dtype {t.dtype}", accepted)
         _fail(ValueError, name, f"shape {tuple(t.shape)}", accepted)
-    _same_device(name, t, q)
+    _same_device(name, t, q.device)
     return t.contiguous()
 
 
@@ -169,10 +186,11 @@ def _check_caches(q: Tensor, k_cache, v_cache, block_table, *, k_name: str, v_na
               else "(batch_cache, seqlen_cache, heads_kv, head_dim)")
     _tensor(k_name, k_cache, 4, layout)
     _tensor(v_name, v_cache, 4, layout)
+    device = q.device
     for name, t in ((k_name, k_cache), (v_name, v_cache)):
         if t.dtype != q.dtype:
             _fail(TypeError, name, f"dtype {t.dtype}", f"the dtype of q ({q.dtype})")
-        _same_device(name, t, q)
+        _same_device(name, t, device)
     head_dim, heads_q = q.shape[-1], q.shape[-2]
     if k_cache.shape[-1] != head_dim:
         _fail(ValueError, k_name, f"head dim {k_cache.shape[-1]} (shape {tuple(k_cache.shape)})",
@@ -198,7 +216,7 @@ def _check_caches(q: Tensor, k_cache, v_cache, block_table, *, k_name: str, v_na
         _fail(TypeError, "block_table", f"dtype {block_table.dtype}", accepted)
     if block_table.dim() != 2 or block_table.shape[1] == 0:
         _fail(ValueError, "block_table", f"shape {tuple(block_table.shape)}", accepted)
-    _same_device("block_table", block_table, q)
+    _same_device("block_table", block_table, device)
     if k_cache.shape[1] == 0:
         _fail(ValueError, k_name, f"page size 0 (shape {tuple(k_cache.shape)})",
               "a page size (dim 1) >= 1")
@@ -208,9 +226,10 @@ def _check_caches(q: Tensor, k_cache, v_cache, block_table, *, k_name: str, v_na
 def _check_rotary(rotary_cos, rotary_sin, q: Tensor, has_new: bool, capacity: int) -> None:
     if rotary_cos is None and rotary_sin is None:
         return
-    for given, missing in (("rotary_cos", "rotary_sin"), ("rotary_sin", "rotary_cos")):
-        if locals()[given] is not None and locals()[missing] is None:
-            _fail(ValueError, missing, "None", f"a tensor, since {given} is given")
+    if rotary_cos is None or rotary_sin is None:
+        given, missing = (("rotary_cos", "rotary_sin") if rotary_sin is None
+                          else ("rotary_sin", "rotary_cos"))
+        _fail(ValueError, missing, "None", f"a tensor, since {given} is given")
     if not has_new:
         _fail(ValueError, "rotary_cos", "a rotary table without k and v",
               "rotary tables only together with new keys k and v (they are rotated on append)")
@@ -220,7 +239,7 @@ def _check_rotary(rotary_cos, rotary_sin, q: Tensor, has_new: bool, capacity: in
         _tensor(name, t, 2, layout)
         if t.dtype not in (q.dtype, torch.float32):
             _fail(TypeError, name, f"dtype {t.dtype}", f"the dtype of q ({q.dtype}) or float32")
-        _same_device(name, t, q)
+        _same_device(name, t, q.device)
         _last_stride_one(name, t)
     if rotary_sin.shape != rotary_cos.shape:
         _fail(ValueError, "rotary_sin", f"shape {tuple(rotary_sin.shape)}",
@@ -233,10 +252,11 @@ def _check_rotary(rotary_cos, rotary_sin, q: Tensor, has_new: bool, capacity: in
 
 
 def _checking_values(*tensors) -> bool:
-    """Whether the value checks run ([Note: value checks])."""
+    """Whether the value checks run ([Note: value checks]). The tensors are on one device (the
+    metadata checks saw to it), so the first, never None, stands for them all."""
     if _validate._compiling():
         return False
-    if all(t is None or t.device.type == "cpu" for t in tensors):
+    if tensors[0].device.type == "cpu":
         return True
     if os.environ.get(ENV_CHECK_VALUES, "1") == "0":
         return False
@@ -342,19 +362,23 @@ def _check_new(k, v, q: Tensor, k_cache: Tensor) -> int:
     """Checks the new keys/values; returns their count per sequence (0 without them)."""
     if k is None and v is None:
         return 0
-    for given, missing in (("k", "v"), ("v", "k")):
-        if locals()[given] is not None and locals()[missing] is None:
-            _fail(ValueError, missing, "None", f"a tensor, since {given} is given (new keys and "
-                  "values are appended together)")
+    if k is None or v is None:
+        given, missing = ("k", "v") if v is None else ("v", "k")
+        _fail(ValueError, missing, "None", f"a tensor, since {given} is given (new keys and "
+              "values are appended together)")
     batch, heads_kv, head_dim = q.shape[0], k_cache.shape[2], q.shape[-1]
-    layout = f"(batch={batch}, seqlen_new, heads_kv={heads_kv}, head_dim={head_dim})"
+
+    def layout():
+        return f"(batch={batch}, seqlen_new, heads_kv={heads_kv}, head_dim={head_dim})"
+
+    device = q.device
     for name, t in (("k", k), ("v", v)):
         _tensor(name, t, 4, layout)
         if t.dtype != q.dtype:
             _fail(TypeError, name, f"dtype {t.dtype}", f"the dtype of q ({q.dtype})")
-        _same_device(name, t, q)
+        _same_device(name, t, device)
         if (t.shape[0], t.shape[2], t.shape[3]) != (batch, heads_kv, head_dim):
-            _fail(ValueError, name, f"shape {tuple(t.shape)}", layout)
+            _fail(ValueError, name, f"shape {tuple(t.shape)}", layout())
         _last_stride_one(name, t)
     if v.shape != k.shape:
         _fail(ValueError, "v", f"shape {tuple(v.shape)}", f"the shape of k {tuple(k.shape)}")
@@ -455,11 +479,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                         cache_batch_idx=cache_batch_idx, batch_cache=k_cache.shape[0],
                         block_table=block_table, page_size=k_cache.shape[1],
                         num_blocks=k_cache.shape[0])
-    out, lse = _run(dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
-                         rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                         cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
-                         cache_leftpad=cache_leftpad, block_table=block_table,
-                         alibi_slopes=alibi_slopes, s_aux=s_aux), params)
+    out, lse = _run(params, q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos,
+                    rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
+                    cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                    block_table=block_table, alibi_slopes=alibi_slopes, s_aux=s_aux)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -508,9 +531,9 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         _validate._check_longest("max_seqlen_q", values_q, max_q)
         _check_paged_varlen_values(cu_seqlens_k, block_table, max_k=max_k, capacity=capacity,
                                    page_size=k_cache.shape[1], num_blocks=k_cache.shape[0])
-    out, lse = _run(dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
-                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                         alibi_slopes=alibi_slopes, s_aux=s_aux), params)
+    out, lse = _run(params, q, k_cache, v_cache, block_table=block_table,
+                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                    alibi_slopes=alibi_slopes, s_aux=s_aux)
     return (out, lse, None) if return_attn_probs else out
 
 

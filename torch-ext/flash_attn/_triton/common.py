@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .._heuristics import hopper_or_later
+from .launch import Bound, CachedLauncher
 from .tuning import block_d_for
 
 logger = logging.getLogger("flash_attn")
@@ -512,18 +513,36 @@ def combine_kernel(
     tl.store(LSE + batch * stride_lb + head * stride_lh + i * stride_ls, lse)
 
 
+_combine = CachedLauncher(combine_kernel)
+
+
+def _pow2_at_least(n: int) -> int:
+    """``triton.next_power_of_2`` in plain int arithmetic (a host-time saving: Triton's is a
+    constexpr function that unwraps its arguments on every call)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def combine_launch(*, o_strides, l_strides, seqlen_q_batched: int, heads_q: int, splits: int,
+                   head_dim: int, varlen: bool, sink: bool) -> Bound:
+    """The launch of :func:`combine_kernel` for these sizes; ``o_strides`` / ``l_strides``:
+    ``(batch, seq, head)`` / ``(batch, head, seq)`` strides of out / lse (varlen: batch 0, the
+    token on the seq stride). Launched as ``[(rows,)](o_part, lse_part, out, lse, s_aux)``."""
+    return _combine.bind(
+        *o_strides, *l_strides, seqlen_q_batched, heads_q, splits, HEAD_DIM=head_dim,
+        BLOCK_D=max(16, _pow2_at_least(head_dim)),
+        BLOCK_S=min(COMBINE_BLOCK_S, max(2, _pow2_at_least(splits))), IS_VARLEN=varlen,
+        HAS_SINK=sink, num_warps=4)
+
+
 def combine_splits(o_part, lse_part, out, lse, s_aux, *, o_strides, l_strides,
                    seqlen_q_batched: int, heads_q: int, splits: int, head_dim: int,
                    varlen: bool) -> None:
-    """Launches :func:`combine_kernel` over ``o_part.shape[0] // splits`` rows; ``o_strides``
-    / ``l_strides``: ``(batch, seq, head)`` / ``(batch, head, seq)`` strides of out / lse
-    (varlen: batch 0, the token on the seq stride)."""
-    rows = lse_part.shape[0] // splits
-    combine_kernel[(rows,)](
-        o_part, lse_part, out, lse, s_aux, *o_strides, *l_strides, seqlen_q_batched, heads_q,
-        splits, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_S=min(COMBINE_BLOCK_S, max(2, triton.next_power_of_2(splits))),
-        IS_VARLEN=varlen, HAS_SINK=s_aux is not None, num_warps=4)
+    """Launches :func:`combine_kernel` over ``lse_part.shape[0] // splits`` rows
+    (:func:`combine_launch`)."""
+    launch = combine_launch(o_strides=o_strides, l_strides=l_strides,
+                            seqlen_q_batched=seqlen_q_batched, heads_q=heads_q, splits=splits,
+                            head_dim=head_dim, varlen=varlen, sink=s_aux is not None)
+    launch[(lse_part.shape[0] // splits,)](o_part, lse_part, out, lse, s_aux)
 
 
 def _tma_scratch(size: int, alignment: int, stream):

@@ -78,8 +78,9 @@ import triton.language as tl
 
 from .._heuristics import hopper_or_later, kvcache_splits
 from .._params import KvCacheParams
-from .common import (LOG2E, combine_splits, key_block_range, score_constants, scores_log2,
+from .common import (LOG2E, combine_launch, key_block_range, score_constants, scores_log2,
                      visible)
+from .launch import Bound, CachedLauncher
 from .tuning import block_d_for
 
 
@@ -464,14 +465,46 @@ def _attend_kernel(
 
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything a call's launches need besides its tensors, from sizes alone."""
+    grid: tuple
+    attend: Bound  # the attention kernel's launch, its scalars and constexprs bound
+    append: bool
+    scratch: int  # fp32 elements of the split partials (0: one split)
+    partials: int  # elements of the partial outputs at the scratch's start, then the lse
+    combine: Bound | None  # the combine's launch when the keys are split
+    rows: int  # the combine's programs, one per (token, query head)
 
-def forward(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cache_seqlens,
-            cache_batch_idx, cache_leftpad, block_table, cu_seqlens_q, cu_seqlens_k,
-            alibi_slopes, s_aux, params: KvCacheParams, tiles: KvTiles | None = None) -> None:
-    """Appends ``k``/``v`` (rotated) to the caches in place and writes ``out`` (like q) and
-    ``lse`` (float32 ``(B, Hq, Sq)``, or ``(Hq, Tq)`` varlen), in one attention launch (plus
-    the combine when the keys are split); the contract of ``kvcache._kvcache_body``. Inputs are
-    validated by the caller; ``tiles`` overrides the launch shape (tests)."""
+
+# [Note: launch plans] A decode loop repeats one call shape, and deriving its launch (tiles,
+# splits, strides, constexprs) was a large share of an eager call's host time under cProfile.
+# Plans are memoised on everything they read: the sizes and strides of every tensor the kernel
+# indexes, which optional tensors are present, the params, the tiles override and the device
+# (its SM count and arch). Nothing in a plan depends on a tensor's values or address. Module
+# constants (the tile rules, ``common.COMBINE_BLOCK_S``) are read when a plan is made: a test
+# that changes one starts from an empty ``_plans``.
+_plans: dict = {}
+_MAX_PLANS = 256
+_attend = CachedLauncher(_attend_kernel)
+
+
+def _plan_key(q, k_cache, v_cache, out, lse, k, v, rotary_cos, cache_batch_idx, cache_leftpad,
+              block_table, cu_seqlens_q, alibi_slopes, s_aux, params, tiles):
+    return (q.shape, q.stride(), q.device, k_cache.shape, k_cache.stride(), v_cache.stride(),
+            out.stride(), lse.stride(), params, tiles,
+            None if k is None else (k.shape, k.stride(), v.stride()),
+            None if block_table is None else (block_table.shape, block_table.stride(0)),
+            None if rotary_cos is None else (rotary_cos.shape, rotary_cos.stride(0)),
+            None if alibi_slopes is None else alibi_slopes.stride(),
+            None if cu_seqlens_q is None else cu_seqlens_q.shape[0],
+            cache_batch_idx is None, cache_leftpad is None, s_aux is None)
+
+
+def _make_plan(q, k_cache, v_cache, out, lse, k, v, rotary_cos, cache_batch_idx, cache_leftpad,
+               block_table, cu_seqlens_q, alibi_slopes, s_aux, params: KvCacheParams,
+               tiles: KvTiles | None) -> _Plan | None:
+    """The call's :class:`_Plan`, or None when it launches nothing."""
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
     heads_q, head_dim = q.shape[-2], q.shape[-1]
@@ -481,7 +514,7 @@ def forward(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cach
     tokens = q.shape[0] if varlen else q.shape[0] * q.shape[1]
     append = k is not None and k.shape[1] > 0
     if batch == 0 or (tokens == 0 and not append):
-        return
+        return None
     cfg = tiles or tiles_for(head_dim, group * params.max_seqlen_q, q.device,
                              page_size=k_cache.shape[1] if paged else 0,
                              rotary_append=append and rotary_cos is not None)
@@ -500,18 +533,8 @@ def forward(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cach
     o_strides = (0, out.stride(0), out.stride(1)) if varlen else out.stride()[:3]
     l_strides = (0, lse.stride(0), lse.stride(1)) if varlen else lse.stride()
     q_strides = (0, q.stride(0), q.stride(1)) if varlen else q.stride()[:3]
-    if splits > 1:  # one allocation for both (a short call's host time counts every one)
-        parts = tokens * heads_q * splits
-        scratch = torch.empty(parts * (head_dim + 1), device=q.device, dtype=torch.float32)
-        o_part = scratch[:parts * head_dim].view(parts, head_dim)
-        lse_part = scratch[parts * head_dim:]
-    else:
-        o_part = lse_part = None
-    _attend_kernel[(heads_kv * row_blocks, splits, batch)](
-        q, k_cache, v_cache, k if append else None, v if append else None, block_table,
-        cache_seqlens, cache_leftpad, cache_batch_idx, cu_seqlens_q, cu_seqlens_k, rotary_cos,
-        rotary_sin, alibi_slopes, s_aux, out, lse, o_part, lse_part, *q_strides,
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
+    attend = _attend.bind(
+        *q_strides, *k_cache.stride()[:3], *v_cache.stride()[:3],
         *(k.stride()[:3] if append else (0, 0, 0)), *(v.stride()[:3] if append else (0, 0, 0)),
         block_table.stride(0) if paged else 0, 0 if rotary_cos is None else rotary_cos.stride(0),
         alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
@@ -531,7 +554,45 @@ def forward(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cach
         SOFTCAP=params.softcap > 0, HAS_ALIBI=alibi_slopes is not None,
         HAS_SINK=s_aux is not None, SPLIT=splits > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    partials = tokens * heads_q * splits if splits > 1 else 0
+    combine = None
     if splits > 1:
-        combine_splits(o_part, lse_part, out, lse, s_aux, o_strides=o_strides,
-                       l_strides=l_strides, seqlen_q_batched=0 if varlen else q.shape[1],
-                       heads_q=heads_q, splits=splits, head_dim=head_dim, varlen=varlen)
+        combine = combine_launch(o_strides=o_strides, l_strides=l_strides,
+                                 seqlen_q_batched=0 if varlen else q.shape[1], heads_q=heads_q,
+                                 splits=splits, head_dim=head_dim, varlen=varlen,
+                                 sink=s_aux is not None)
+    return _Plan(grid=(heads_kv * row_blocks, splits, batch), attend=attend, append=append,
+                 scratch=partials * (head_dim + 1), partials=partials * head_dim,
+                 combine=combine, rows=tokens * heads_q)
+
+
+def forward(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cache_seqlens,
+            cache_batch_idx, cache_leftpad, block_table, cu_seqlens_q, cu_seqlens_k,
+            alibi_slopes, s_aux, params: KvCacheParams, tiles: KvTiles | None = None) -> None:
+    """Appends ``k``/``v`` (rotated) to the caches in place and writes ``out`` (like q) and
+    ``lse`` (float32 ``(B, Hq, Sq)``, or ``(Hq, Tq)`` varlen), in one attention launch (plus
+    the combine when the keys are split); the contract of ``kvcache._kvcache_body``. Inputs are
+    validated by the caller; ``tiles`` overrides the launch shape (tests). The launch shape
+    comes from a memoised plan ([Note: launch plans])."""
+    sizes = (q, k_cache, v_cache, out, lse, k, v, rotary_cos, cache_batch_idx, cache_leftpad,
+             block_table, cu_seqlens_q, alibi_slopes, s_aux, params, tiles)
+    key = _plan_key(*sizes)
+    plan = _plans.get(key, _plans)
+    if plan is _plans:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        plan = _plans[key] = _make_plan(*sizes)
+    if plan is None:
+        return
+    if plan.scratch:  # one allocation for both: the partial outputs, then their lse
+        o_part = torch.empty(plan.scratch, device=q.device, dtype=torch.float32)
+        lse_part = o_part[plan.partials:]
+    else:
+        o_part = lse_part = None
+    if not plan.append:
+        k = v = None
+    plan.attend[plan.grid](q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_leftpad,
+                           cache_batch_idx, cu_seqlens_q, cu_seqlens_k, rotary_cos, rotary_sin,
+                           alibi_slopes, s_aux, out, lse, o_part, lse_part)
+    if plan.combine is not None:
+        plan.combine[(plan.rows,)](o_part, lse_part, out, lse, s_aux)
