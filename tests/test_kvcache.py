@@ -70,7 +70,8 @@ class Case:
     sink: bool = False
     alibi: str | None = None  # "heads": (Hq,), "batch": (B, Hq)
     int_seqlens: bool = False  # cache_seqlens passed as an int (all lengths equal)
-    odd_layouts: bool = False  # strided q/k/v/caches, a column-major table, strided seqlens
+    odd_layouts: bool = False  # strided q/k/v/caches, a column-major table, strided seqlens,
+    #                            rotary_sin with another row stride than rotary_cos
     dtype: torch.dtype = torch.float16
 
 
@@ -150,6 +151,12 @@ def build(case: Case, device) -> tuple[dict, list]:
                 args[name] = wide[..., dim:]
         if "block_table" in args:
             args["block_table"] = args["block_table"].t().contiguous().t()
+        if "rotary_sin" in args:  # a row stride of its own: the middle third of a wider table
+            sin = args["rotary_sin"]
+            wide = torch.full((sin.shape[0], 3 * sin.shape[1]), math.nan, dtype=sin.dtype,
+                              device=sin.device)
+            wide[:, sin.shape[1]:2 * sin.shape[1]] = sin
+            args["rotary_sin"] = wide[:, sin.shape[1]:2 * sin.shape[1]]
         if isinstance(args["cache_seqlens"], torch.Tensor):
             args["cache_seqlens"] = args["cache_seqlens"].repeat_interleave(2)[::2]
     return args, written

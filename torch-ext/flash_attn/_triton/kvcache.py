@@ -150,7 +150,8 @@ def new_key_tiles(seqlen_new: int, block_d: int, rotary: bool, tiles: KvTiles) -
 
 
 @triton.jit
-def _load_rows(rows, positions, ok, COS, SIN, stride_rot, rotary_len, HEAD_DIM: tl.constexpr,
+def _load_rows(rows, positions, ok, COS, SIN, stride_cos, stride_sin, rotary_len,
+               HEAD_DIM: tl.constexpr,
                BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ROTARY_DIM: tl.constexpr,
                INTERLEAVED: tl.constexpr):
     """A ``(BLOCK_R, BLOCK_D)`` tile of the vectors at pointers ``rows`` (0 where ``ok`` is
@@ -162,12 +163,14 @@ def _load_rows(rows, positions, ok, COS, SIN, stride_rot, rotary_len, HEAD_DIM: 
     inside = ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     x = tl.load(rows[:, None] + offs_d[None, :], mask=inside, other=0.0)
     if ROTARY_DIM > 0:
-        table = tl.minimum(positions, rotary_len - 1).to(tl.int64)[:, None] * stride_rot
+        position = tl.minimum(positions, rotary_len - 1).to(tl.int64)[:, None]
+        cos_row = position * stride_cos
+        sin_row = position * stride_sin
         if INTERLEAVED:  # pair i is (2i, 2i + 1), its angle is column i of the tables
             offs_i = tl.arange(0, BLOCK_D // 2)
             turned = ok[:, None] & (offs_i < ROTARY_DIM // 2)[None, :]
-            cos = tl.load(COS + table + offs_i[None, :], mask=turned, other=1.0).to(tl.float32)
-            sin = tl.load(SIN + table + offs_i[None, :], mask=turned, other=0.0).to(tl.float32)
+            cos = tl.load(COS + cos_row + offs_i[None, :], mask=turned, other=1.0).to(tl.float32)
+            sin = tl.load(SIN + sin_row + offs_i[None, :], mask=turned, other=0.0).to(tl.float32)
             even, odd = tl.split(tl.reshape(x, (BLOCK_R, BLOCK_D // 2, 2)).to(tl.float32))
             x = tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin),
                            (BLOCK_R, BLOCK_D)).to(x.dtype)
@@ -177,9 +180,9 @@ def _load_rows(rows, positions, ok, COS, SIN, stride_rot, rotary_len, HEAD_DIM: 
             second = ok[:, None] & ((offs_d >= half) & (offs_d < ROTARY_DIM))[None, :]
             ahead = tl.load(rows[:, None] + (offs_d + half)[None, :], mask=first, other=0.0)
             behind = tl.load(rows[:, None] + (offs_d - half)[None, :], mask=second, other=0.0)
-            at = COS + table + offs_d[None, :]
+            at = COS + cos_row + offs_d[None, :]
             cos = tl.load(at, mask=first, other=0.0) + tl.load(at - half, mask=second, other=0.0)
-            at = SIN + table + offs_d[None, :]
+            at = SIN + sin_row + offs_d[None, :]
             sin = tl.load(at, mask=first, other=0.0) + tl.load(at - half, mask=second, other=0.0)
             cos = tl.where(first | second, cos.to(tl.float32), 1.0)
             partner = behind.to(tl.float32) - ahead.to(tl.float32)
@@ -247,7 +250,8 @@ def _attend_block(q, k_t, v, ok, rows, cols, edge, m_i, l_i, acc, seqlen_q, seql
 @triton.jit
 def _write_new_keys(k_new, v_new, k_head, v_head, length, seqlen_new, table, cache_row,
                     row_in_cache, COS, SIN, stride_kns, stride_vns, stride_kb, stride_ks,
-                    stride_vb, stride_vs, stride_rot, num_blocks, table_width, cache_slots,
+                    stride_vb, stride_vs, stride_cos, stride_sin, num_blocks, table_width,
+                    cache_slots,
                     rotary_len, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_WRITE: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
                     ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr):
@@ -266,7 +270,8 @@ def _write_new_keys(k_new, v_new, k_head, v_head, length, seqlen_new, table, cac
                                      cache_slots, PAGE_SIZE, PAGED)
         mask = ok[:, None] & d_ok[None, :]
         key = _load_rows(k_new + index.to(tl.int64) * stride_kns, position, ok, COS, SIN,
-                         stride_rot, rotary_len, HEAD_DIM, BLOCK_WRITE, BLOCK_D, ROTARY_DIM,
+                         stride_cos, stride_sin, rotary_len, HEAD_DIM, BLOCK_WRITE, BLOCK_D,
+                         ROTARY_DIM,
                          ROTARY_INTERLEAVED)
         value = tl.load(v_new + index.to(tl.int64)[:, None] * stride_vns + offs_d[None, :],
                         mask=mask, other=0.0)
@@ -283,7 +288,7 @@ def _attend_kernel(
         LSE_PART,
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_knb, stride_kns, stride_knh,
-        stride_vnb, stride_vns, stride_vnh, stride_tb, stride_rot, stride_ab,
+        stride_vnb, stride_vns, stride_vnh, stride_tb, stride_cos, stride_sin, stride_ab,
         stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
         seqlen_q_batched, seqlen_new, num_heads_q, row_blocks, num_splits, num_blocks,
         table_width, cache_rows, cache_slots, rotary_len,
@@ -348,7 +353,7 @@ def _attend_kernel(
     else:
         at = tl.maximum(length, 0) + rows * 0
     q = _load_rows(q_base + rows.to(tl.int64) * stride_qs + heads * stride_qh, at, r_ok, COS, SIN,
-                   stride_rot, rotary_len, HEAD_DIM, BLOCK_M, BLOCK_D, ROTARY_DIM,
+                   stride_cos, stride_sin, rotary_len, HEAD_DIM, BLOCK_M, BLOCK_D, ROTARY_DIM,
                    ROTARY_INTERLEAVED)
     if HAS_ALIBI:
         slopes = tl.load(ALIBI + b64 * stride_ab + heads, mask=r_ok, other=0.0)
@@ -411,7 +416,8 @@ def _attend_kernel(
             _write_new_keys(k_new, v_new, K_CACHE + kv_head.to(tl.int64) * stride_kh,
                             V_CACHE + kv_head.to(tl.int64) * stride_vh, length, seqlen_new,
                             table, cache_row, row_in_cache, COS, SIN, stride_kns, stride_vns,
-                            stride_kb, stride_ks, stride_vb, stride_vs, stride_rot, num_blocks,
+                            stride_kb, stride_ks, stride_vb, stride_vs, stride_cos, stride_sin,
+                            num_blocks,
                             table_width, cache_slots, rotary_len, HEAD_DIM, BLOCK_D, BLOCK_WRITE,
                             PAGE_SIZE, PAGED, ROTARY_DIM, ROTARY_INTERLEAVED)
         offs_j = tl.arange(0, BLOCK_NEW)
@@ -421,7 +427,8 @@ def _attend_kernel(
             index = first + offs_j
             ok = index < new_hi
             k_t = tl.trans(_load_rows(k_new + index.to(tl.int64) * stride_kns, length + index,
-                                      ok, COS, SIN, stride_rot, rotary_len, HEAD_DIM, BLOCK_NEW,
+                                      ok, COS, SIN, stride_cos, stride_sin, rotary_len,
+                                      HEAD_DIM, BLOCK_NEW,
                                       BLOCK_D, ROTARY_DIM, ROTARY_INTERLEAVED))
             v = tl.load(v_new + index.to(tl.int64)[:, None] * stride_vns + offs_d[None, :],
                         mask=ok[:, None] & d_ok[None, :], other=0.0)
@@ -489,21 +496,22 @@ _MAX_PLANS = 256
 _attend = CachedLauncher(_attend_kernel)
 
 
-def _plan_key(q, k_cache, v_cache, out, lse, k, v, rotary_cos, cache_batch_idx, cache_leftpad,
-              block_table, cu_seqlens_q, alibi_slopes, s_aux, params, tiles):
+def _plan_key(q, k_cache, v_cache, out, lse, k, v, rotary_cos, rotary_sin, cache_batch_idx,
+              cache_leftpad, block_table, cu_seqlens_q, alibi_slopes, s_aux, params, tiles):
     return (q.shape, q.stride(), q.device, k_cache.shape, k_cache.stride(), v_cache.stride(),
             out.stride(), lse.stride(), params, tiles,
             None if k is None else (k.shape, k.stride(), v.stride()),
             None if block_table is None else (block_table.shape, block_table.stride(0)),
-            None if rotary_cos is None else (rotary_cos.shape, rotary_cos.stride(0)),
+            None if rotary_cos is None else (rotary_cos.shape, rotary_cos.stride(0),
+                                             rotary_sin.stride(0)),
             None if alibi_slopes is None else alibi_slopes.stride(),
             None if cu_seqlens_q is None else cu_seqlens_q.shape[0],
             cache_batch_idx is None, cache_leftpad is None, s_aux is None)
 
 
-def _make_plan(q, k_cache, v_cache, out, lse, k, v, rotary_cos, cache_batch_idx, cache_leftpad,
-               block_table, cu_seqlens_q, alibi_slopes, s_aux, params: KvCacheParams,
-               tiles: KvTiles | None) -> _Plan | None:
+def _make_plan(q, k_cache, v_cache, out, lse, k, v, rotary_cos, rotary_sin, cache_batch_idx,
+               cache_leftpad, block_table, cu_seqlens_q, alibi_slopes, s_aux,
+               params: KvCacheParams, tiles: KvTiles | None) -> _Plan | None:
     """The call's :class:`_Plan`, or None when it launches nothing."""
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
@@ -536,7 +544,8 @@ def _make_plan(q, k_cache, v_cache, out, lse, k, v, rotary_cos, cache_batch_idx,
     attend = _attend.bind(
         *q_strides, *k_cache.stride()[:3], *v_cache.stride()[:3],
         *(k.stride()[:3] if append else (0, 0, 0)), *(v.stride()[:3] if append else (0, 0, 0)),
-        block_table.stride(0) if paged else 0, 0 if rotary_cos is None else rotary_cos.stride(0),
+        block_table.stride(0) if paged else 0, *((0, 0) if rotary_cos is None else
+                                                 (rotary_cos.stride(0), rotary_sin.stride(0))),
         alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
         *o_strides, *l_strides, 0 if varlen else q.shape[1],
         k.shape[1] if append else 0, heads_q, row_blocks, splits, k_cache.shape[0],
@@ -574,8 +583,8 @@ def forward(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cach
     the combine when the keys are split); the contract of ``kvcache._kvcache_body``. Inputs are
     validated by the caller; ``tiles`` overrides the launch shape (tests). The launch shape
     comes from a memoised plan ([Note: launch plans])."""
-    sizes = (q, k_cache, v_cache, out, lse, k, v, rotary_cos, cache_batch_idx, cache_leftpad,
-             block_table, cu_seqlens_q, alibi_slopes, s_aux, params, tiles)
+    sizes = (q, k_cache, v_cache, out, lse, k, v, rotary_cos, rotary_sin, cache_batch_idx,
+             cache_leftpad, block_table, cu_seqlens_q, alibi_slopes, s_aux, params, tiles)
     key = _plan_key(*sizes)
     plan = _plans.get(key, _plans)
     if plan is _plans:
