@@ -1,6 +1,6 @@
 """The package's layers point one way: the backends (``_cpu``, ``_cuda`` and the ``_triton``
-modules) never import one another (a ``_triton`` module may import ``_triton.common`` and
-``_triton.tuning``), no other module but ``_dispatch`` (the one dispatch point) imports a
+modules) never import one another (a ``_triton`` module may import ``_triton.common``,
+``_triton.tuning`` and ``_triton.launch``), no other module but ``_dispatch`` (the one dispatch point) imports a
 backend, and there is no import cycle.
 
 The imports are read with ``ast`` (at module level and inside functions alike), so nothing is
@@ -18,7 +18,8 @@ import pytest
 from helpers import SOURCE_PACKAGE
 
 BACKENDS = ("_cpu", "_cuda", "_triton")  # top-level names; every _triton module is a backend
-TRITON_SHARED = ("_triton.common", "_triton.tuning")  # what a _triton module may import
+# what a _triton module may import: shared helpers and the launcher, not another kernel module
+TRITON_SHARED = ("_triton.common", "_triton.tuning", "_triton.launch")
 DISPATCH = "_dispatch"
 
 
