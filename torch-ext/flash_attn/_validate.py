@@ -41,6 +41,7 @@ one compiled graph serves every value.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import operator
@@ -237,6 +238,7 @@ def memo_plain_scalars(fn):
     memo]); outside a torch.compile trace only. Keywords in another order are another key."""
     memo: dict = {}
 
+    @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         key = None if _compiling() else _plain_key(args + tuple(kwargs.values()))
         if key is None:
@@ -250,8 +252,6 @@ def memo_plain_scalars(fn):
             memo[key] = hit
         return hit
 
-    wrapper.__wrapped__ = fn
-    wrapper.__doc__ = fn.__doc__
     return wrapper
 
 
