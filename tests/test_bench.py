@@ -547,4 +547,5 @@ def test_cli_kvcache_grid_on_cpu(flash_attn, tmp_path, capsys, monkeypatch):
     text = (into / "RESULTS.md").read_text()
     assert "## cpu-kvcache" in text and "## cpu\n" in text and "ours-cpu %copy" in text
     # the page names the commands that measured it, the appended one too
-    assert "Measured by `python -m flash_attn_hub bench " in text and "--append" in text
+    assert "Measured by these commands" in text
+    assert "- `python -m flash_attn_hub bench " in text and "--grid kvcache" in text and "--append`" in text

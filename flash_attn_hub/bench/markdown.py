@@ -233,8 +233,21 @@ def _header_lines(env: dict, records: list[dict]) -> list[str]:
     return [f"GPU: **{env.get('gpu')}**" + (f" (driver {env['driver']})" if env.get("driver") else "") +
             f"; {versions(env)}{fa4}; kernels {env.get('kernels')}; our build `{env.get('kernel_build')}`; "
             f"git `{env.get('git_sha')}`; {env.get('date')}.", "",
-            *([f"Measured by `{env['command']}` (a narrower command measures a subset of the grid).", ""]
-              if env.get("command") else [])]
+            *_command_lines(env.get("command"))]
+
+
+def _command_lines(commands) -> list[str]:
+    """Where the page's numbers came from: one command, or the commands a page was measured in
+    (each later one with --append), in order."""
+    if isinstance(commands, str):
+        commands = [commands]
+    if not commands:
+        return []
+    if len(commands) == 1:
+        return [f"Measured by `{commands[0]}` (a narrower command measures a subset of the grid).", ""]
+    return ["Measured by these commands, one after another on this machine (a workload measured again "
+            "by a later command keeps only the later numbers):", "",
+            *[f"- `{c}`" for c in commands], ""]
 
 
 def markdown(records: list[dict], skips: list[dict], env: dict, plots: list[Path], page_dir: Path,

@@ -36,7 +36,8 @@ class PageError(Exception):
 
 def env_of(records: list[dict]) -> dict:
     """The machine and versions of the rows: a field's value when they agree, else the
-    values joined (dates: first .. last)."""
+    values joined (dates: first .. last); ``command`` is the list of the commands whose rows
+    the page holds, in the order they first appear."""
     keys = ("gpu", "driver", "torch", "cuda", "cudnn", "triton", "kernels", "fa4", "kernel_build", "git_sha", "date",
             "command")
     out = {}
@@ -44,6 +45,8 @@ def env_of(records: list[dict]) -> dict:
         values = list(dict.fromkeys(r.get(key) for r in records if r.get(key) not in (None, "")))
         if key == "date" and len(values) > 1:
             out[key] = f"{min(values)} .. {max(values)}"
+        elif key == "command":  # a list: the commands whose rows are on the page, in order
+            out[key] = [str(v) for v in values]
         else:
             out[key] = " | ".join(map(str, values)) if len(values) > 1 else (values[0] if values else None)
     return out
