@@ -507,16 +507,54 @@ BAD_INPUTS = {  # label: (case, edit of the valid arguments, exception, argument
 
 @pytest.mark.parametrize("label", list(BAD_INPUTS))
 def test_bad_input_names_the_argument_and_writes_nothing(flash_attn, label):
+    """Each bad input raises naming its argument, also right after a valid call of the same
+    case (whose checks the call memo keeps) and again when repeated."""
     case, edit, exc, name = BAD_INPUTS[label]
     torch.manual_seed(0)
     args, _ = build(case, "cpu")
+    flash_attn.flash_attn_with_kvcache(**args)
     bad = edit(args)
     caches = [t.clone() for t in (bad["k_cache"], bad["v_cache"])]
-    with pytest.raises(exc) as info:
-        flash_attn.flash_attn_with_kvcache(**bad)
-    assert str(info.value).startswith(f"{name}: got "), str(info.value)
+    for _ in range(2):
+        with pytest.raises(exc) as info:
+            flash_attn.flash_attn_with_kvcache(**bad)
+        assert str(info.value).startswith(f"{name}: got "), str(info.value)
     for before, after in zip(caches, (bad["k_cache"], bad["v_cache"])):
         assert torch.equal(_bits(before), _bits(after))
+
+
+def test_call_memo_checks_a_call_shape_once(flash_attn, monkeypatch):
+    """[Note: call memo] in kvcache.py: a repeated call shape skips the metadata checks (a
+    decode loop's cache_seqlens int may change), and its results equal a fully checked call's;
+    a call with a scalar that is not plain, or inside no memo at all, is checked every time."""
+    kvcache = submodule(flash_attn, "kvcache")
+    checks = []
+    real = kvcache._check_call
+    monkeypatch.setattr(kvcache, "_check_call", lambda *a: checks.append(1) or real(*a))
+    monkeypatch.setattr(kvcache, "_calls", {})
+    torch.manual_seed(0)
+    args, _ = build(Case(lengths=(5, 5, 5), int_seqlens=True, sink=True), "cpu")
+    assert isinstance(args["cache_seqlens"], int)
+    first = flash_attn.flash_attn_with_kvcache(**args, return_softmax_lse=True)
+    assert len(checks) == 1
+    again = flash_attn.flash_attn_with_kvcache(**args, return_softmax_lse=True)
+    assert len(checks) == 1  # the same shape: no second check
+    for a, b in zip(first, again):  # the same new key appended at the same place again
+        assert torch.equal(_bits(a), _bits(b))
+    monkeypatch.setattr(kvcache, "_calls", {})
+    args["cache_seqlens"] += 1  # what the memo hit computed, checked in full
+    full = flash_attn.flash_attn_with_kvcache(**args, return_softmax_lse=True)
+    assert len(checks) == 2
+    args["cache_seqlens"] -= 1
+    hit = flash_attn.flash_attn_with_kvcache(**args, return_softmax_lse=True)  # a new int value
+    assert len(checks) == 2
+    args["cache_seqlens"] += 1
+    for a, b in zip(full, flash_attn.flash_attn_with_kvcache(**args, return_softmax_lse=True)):
+        assert torch.equal(_bits(a), _bits(b))
+    assert len(checks) == 2 and hit[0].shape == full[0].shape
+    for _ in range(2):  # a numpy scalar is not plain: checked every time
+        flash_attn.flash_attn_with_kvcache(**{**args, "softcap": torch.tensor(0.0).numpy()})
+    assert len(checks) == 4
 
 
 def test_value_checks_skip_when_told(flash_attn, monkeypatch):

@@ -347,7 +347,12 @@ def _check_s_aux(s_aux, q):
         _fail(ValueError, "s_aux", f"shape {tuple(s_aux.shape)}", accepted)
     if s_aux.device != q.device:
         _fail(ValueError, "s_aux", f"device {s_aux.device}", f"the device of q ({q.device})")
-    return s_aux.to(torch.float32).contiguous()
+    return sinks_float32(s_aux)
+
+
+def sinks_float32(s_aux):
+    """Checked sinks (or None) as the kernels read them: contiguous float32."""
+    return None if s_aux is None else s_aux.to(torch.float32).contiguous()
 
 
 def _check_cu_seqlens(name: str, cu, total: int, q) -> list | None:

@@ -41,6 +41,7 @@ skipped), so a bad value gives a wrong result for its sequence, never a write ou
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -385,16 +386,110 @@ def _check_new(k, v, q: Tensor, k_cache: Tensor) -> int:
     return k.shape[1]
 
 
-def _cache_seqlens(cache_seqlens, q: Tensor, capacity: int) -> Tensor:
-    """int32 ``(B,)`` on q's device; None means every sequence fills the cache."""
-    batch = q.shape[0]
-    if cache_seqlens is None:
-        cache_seqlens = capacity
+def _seqlens_tensor(cache_seqlens, q: Tensor, capacity: int) -> Tensor:
+    """``cache_seqlens`` (checked by :func:`_check_call`) as the int32 ``(B,)`` tensor the
+    kernels read; None means every sequence fills the cache."""
     if isinstance(cache_seqlens, torch.Tensor):
-        return _index_vector("cache_seqlens", cache_seqlens, batch, q,
-                             "each sequence's cached length before the new keys")
-    value = _validate._as_int("cache_seqlens", cache_seqlens)
-    return torch.full((batch,), value, dtype=torch.int32, device=q.device)
+        return cache_seqlens.contiguous()
+    value = capacity if cache_seqlens is None else _validate._as_int("cache_seqlens",
+                                                                      cache_seqlens)
+    return torch.full((q.shape[0],), value, dtype=torch.int32, device=q.device)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """What the metadata checks of one ``flash_attn_with_kvcache`` call derive."""
+    capacity: int  # keys a sequence can hold
+    paged: bool
+    seqlen_new: int  # new keys per sequence (0 without k/v)
+    params: KvCacheParams
+    return_lse: bool
+
+
+def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                cache_batch_idx, cache_leftpad, block_table, alibi_slopes, s_aux, softmax_scale,
+                causal, window_size, softcap, rotary_interleaved, num_splits,
+                return_softmax_lse) -> _Call:
+    """Every check of a ``flash_attn_with_kvcache`` call that reads no tensor value: raises
+    an error naming the argument, else returns what the call derives from its metadata."""
+    _check_query(q, 4, "(batch, seqlen_q, heads_q, head_dim)")
+    capacity, paged = _check_caches(q, k_cache, v_cache, block_table, k_name="k_cache",
+                                    v_name="v_cache")
+    batch = q.shape[0]
+    if paged and block_table.shape[0] != batch:
+        _fail(ValueError, "block_table", f"{block_table.shape[0]} rows",
+              f"one row per sequence of q ({batch})")
+    seqlen_new = _check_new(k, v, q, k_cache)
+    _check_rotary(rotary_cos, rotary_sin, q, k is not None, capacity)
+    if isinstance(cache_seqlens, torch.Tensor):
+        _index_vector("cache_seqlens", cache_seqlens, batch, q,
+                      "each sequence's cached length before the new keys")
+    elif cache_seqlens is not None:
+        _validate._as_int("cache_seqlens", cache_seqlens)
+    if cache_batch_idx is not None and paged:
+        _fail(ValueError, "cache_batch_idx", "a tensor together with block_table",
+              "None with a paged cache (block_table's rows select each sequence's blocks)")
+    _index_vector("cache_batch_idx", cache_batch_idx, batch, q, "each sequence's row of the cache")
+    _index_vector("cache_leftpad", cache_leftpad, batch, q, "each sequence's first cache position")
+    if not paged and cache_batch_idx is None and k_cache.shape[0] < batch:
+        _fail(ValueError, "k_cache", f"{k_cache.shape[0]} cache rows",
+              f"at least one per sequence of q ({batch}), or cache_batch_idx")
+    params = _scalars(q.shape[-1], softmax_scale=softmax_scale, causal=causal,
+                      window_size=window_size, softcap=softcap,
+                      rotary_interleaved=rotary_interleaved,
+                      num_splits=num_splits, max_seqlen_q=q.shape[1], max_seqlen_k=capacity)
+    return_lse = _validate.flag("return_softmax_lse", return_softmax_lse)
+    _validate._check_s_aux(s_aux, q)
+    _validate._check_alibi(alibi_slopes, q, batch)
+    return _Call(capacity=capacity, paged=paged, seqlen_new=seqlen_new, params=params,
+                 return_lse=return_lse)
+
+
+# [Note: call memo] A decode loop repeats one call: the same shapes, strides, dtypes and devices,
+# the same scalars, new values. :func:`_check_call` reads only the former, and its ~30 Python
+# frames were about half of the Python layer's time per call (CPU, GQA 32/8 decode: ~23 of
+# ~48 us). A call whose tensors are all exactly ``torch.Tensor`` (or None; ``cache_seqlens``
+# may also be a plain int, whose value only the value checks read) and whose scalars are plain
+# (``_validate._plain_key``) reuses the ``_Call`` of an earlier call with the same key; anything
+# else, and every call inside a torch.compile trace, is checked in full. A call that fails its
+# checks is never stored, so every bad input still raises, every time. The conversions
+# (contiguous index vectors, float32 sinks, the int ``cache_seqlens`` as a tensor) and the
+# value checks run on every call.
+_calls: dict = {}
+_MAX_CALLS = 512
+_SEQLENS_SLOT = 7  # cache_seqlens' position in the key's tensors
+
+
+def _call_key(tensors: tuple, scalars: tuple):
+    """The memo key of a call ([Note: call memo]), or None when it must be checked in full."""
+    if _validate._compiling():
+        return None
+    parts = []
+    for slot, t in enumerate(tensors):
+        kind = type(t)
+        if kind is Tensor:
+            parts.append((t.shape, t.stride(), t.dtype, t.device))
+        elif t is None:
+            parts.append(None)
+        elif kind is int and slot == _SEQLENS_SLOT:
+            parts.append(int)
+        else:
+            return None
+    plain = _validate._plain_key(scalars)
+    return None if plain is None else (tuple(parts), plain)
+
+
+def _checked_call(tensors: tuple, scalars: tuple) -> _Call:
+    """:func:`_check_call` of ``tensors`` and ``scalars``, memoised ([Note: call memo])."""
+    key = _call_key(tensors, scalars)
+    call = None if key is None else _calls.get(key)
+    if call is None:
+        call = _check_call(*tensors, *scalars)
+        if key is not None:
+            if len(_calls) >= _MAX_CALLS:
+                _calls.clear()
+            _calls[key] = call
+    return call
 
 
 # -- entry points --------------------------------------------------------------------------
@@ -446,44 +541,27 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Value checks (lengths against the capacity, block-table entries in range) run on CPU
     tensors and on eager CUDA calls; CUDA-graph capture skips them (module notes).
     """
-    _check_query(q, 4, "(batch, seqlen_q, heads_q, head_dim)")
-    capacity, paged = _check_caches(q, k_cache, v_cache, block_table, k_name="k_cache",
-                                    v_name="v_cache")
-    batch = q.shape[0]
-    if paged and block_table.shape[0] != batch:
-        _fail(ValueError, "block_table", f"{block_table.shape[0]} rows",
-              f"one row per sequence of q ({batch})")
+    call = _checked_call(
+        (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+         cache_leftpad, block_table, alibi_slopes, s_aux),
+        (softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
+         return_softmax_lse))
     block_table = _unit_stride_rows(block_table)
-    seqlen_new = _check_new(k, v, q, k_cache)
-    _check_rotary(rotary_cos, rotary_sin, q, k is not None, capacity)
-    cache_seqlens = _cache_seqlens(cache_seqlens, q, capacity)
-    if cache_batch_idx is not None and paged:
-        _fail(ValueError, "cache_batch_idx", "a tensor together with block_table",
-              "None with a paged cache (block_table's rows select each sequence's blocks)")
-    cache_batch_idx = _index_vector("cache_batch_idx", cache_batch_idx, batch, q,
-                                    "each sequence's row of the cache")
-    cache_leftpad = _index_vector("cache_leftpad", cache_leftpad, batch, q,
-                                  "each sequence's first cache position")
-    if not paged and cache_batch_idx is None and k_cache.shape[0] < batch:
-        _fail(ValueError, "k_cache", f"{k_cache.shape[0]} cache rows",
-              f"at least one per sequence of q ({batch}), or cache_batch_idx")
-    params = _scalars(q.shape[-1], softmax_scale=softmax_scale, causal=causal,
-                      window_size=window_size, softcap=softcap,
-                      rotary_interleaved=rotary_interleaved,
-                      num_splits=num_splits, max_seqlen_q=q.shape[1], max_seqlen_k=capacity)
-    return_softmax_lse = _validate.flag("return_softmax_lse", return_softmax_lse)
-    s_aux = _validate._check_s_aux(s_aux, q)
-    alibi_slopes = _validate._check_alibi(alibi_slopes, q, batch)
-    _check_cache_values(batch=batch, seqlen_new=seqlen_new, capacity=capacity,
+    cache_seqlens = _seqlens_tensor(cache_seqlens, q, call.capacity)
+    cache_batch_idx = None if cache_batch_idx is None else cache_batch_idx.contiguous()
+    cache_leftpad = None if cache_leftpad is None else cache_leftpad.contiguous()
+    s_aux = _validate.sinks_float32(s_aux)
+    alibi_slopes = None if alibi_slopes is None else alibi_slopes.contiguous()
+    _check_cache_values(batch=q.shape[0], seqlen_new=call.seqlen_new, capacity=call.capacity,
                         cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
                         cache_batch_idx=cache_batch_idx, batch_cache=k_cache.shape[0],
                         block_table=block_table, page_size=k_cache.shape[1],
                         num_blocks=k_cache.shape[0])
-    out, lse = _run(params, q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos,
+    out, lse = _run(call.params, q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos,
                     rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
                     cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                     block_table=block_table, alibi_slopes=alibi_slopes, s_aux=s_aux)
-    return (out, lse) if return_softmax_lse else out
+    return (out, lse) if call.return_lse else out
 
 
 def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
