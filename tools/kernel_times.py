@@ -7,10 +7,16 @@ against the work around them (workspace fills, preprocess, dQ cast, copies). Eac
 timed whole with the benchmark's timer; FLOPs by the benchmark's rule.
 
     python3 -m tools.kernel_times --kernel-dir build [--seqlen 4096 --batch 4 --heads 16/16]
+
+``--group-splits 1,2,4,8`` times our backward once per value with the CUDA backward's group
+split forced to it instead of the heuristic's (``_heuristics.cuda_group_splits``; each must
+divide Hq/Hkv), ``--rounds 2`` repeats the providers in turn: an A/B of the split inside one
+process, with cuDNN as the anchor.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections import defaultdict
 
 import torch
@@ -44,8 +50,17 @@ def _profile(fn, iters: int) -> list[tuple[str, float, int]]:
 def main() -> int:
     parser = workload_parser(__doc__)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--group-splits", default="",
+                        help="comma-separated group splits to force on our CUDA backward")
+    parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
     flash_attn, q, k, v, dout = load_workload(args)
+    heuristics = importlib.import_module(flash_attn.__name__ + "._heuristics")
+    chosen_splits = heuristics.cuda_group_splits
+    splits = [int(x) for x in args.group_splits.split(",") if x]
+    group = q.shape[2] // k.shape[2]
+    if any(n < 1 or group % n for n in splits):
+        parser.error(f"--group-splits: each must divide Hq/Hkv = {group}")
     from torch.nn.attention import SDPBackend, sdpa_kernel
     b, s, d = args.batch, args.seqlen, args.head_dim
     hq, hkv = q.shape[2], k.shape[2]
@@ -64,8 +79,13 @@ def main() -> int:
 
     print(f"B={b} S={s} H={hq}/{hkv} D={d} causal={args.causal} bf16, {args.iters} calls each; "
           f"GPU {torch.cuda.get_device_name()}")
-    providers = (("ours-" + args.backend, ours_fwd, dout), ("sdpa-cudnn", cudnn_fwd, doutt))
-    for name, fwd, grad_out in providers:
+    ours = [("ours-" + args.backend, ours_fwd, dout, None)]
+    if splits:
+        ours = [(f"ours-{args.backend}-split{n}", ours_fwd, dout, n) for n in splits]
+    providers = [*ours, ("sdpa-cudnn", cudnn_fwd, doutt, None)] * args.rounds
+    for name, fwd, grad_out, split in providers:
+        heuristics.cuda_group_splits = (chosen_splits if split is None
+                                        else lambda *_, n=split: n)
         for mode in ("fwd", "bwd"):
             if mode == "fwd":
                 def fn(fwd=fwd):
