@@ -16,6 +16,8 @@ echo "$*" >>"$CALLS"
 if [[ $1 == -m && $2 == flash_attn_hub && $3 == bench && $4 == --into ]]; then
   mkdir -p "$5/plots" && echo provider >"$5/results.csv" && echo "# page" >"$5/RESULTS.md"
   : >"$5/plots/main-d256.png"
+elif [[ $1 == -m && $2 == tools.ab_bench && $3 == --out ]]; then
+  mkdir -p "$4/1-old" && echo workload >"$4/summary.csv"
 fi
 """
 
@@ -39,6 +41,24 @@ def test_bench_phase_archives_the_page_and_the_logs(tmp_path):
     with tarfile.open(out / "logs.tgz") as tar:
         assert tar.getnames() == ["bench.log"]
     assert sorted(p.name for p in out.iterdir()) == ["bench.tgz", "logs.tgz"]
+
+
+def test_ab_phase_passes_its_arguments_and_archives_the_pages(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_PYTHON)
+    (bin_dir / "python3").chmod(0o755)
+    out, calls = tmp_path / "out", tmp_path / "calls"
+    args = "--variant old=FAH_X=0 --variant new= -- --grid main --modes bwd"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out),
+           "CALLS": str(calls), "AB_ARGS": args}
+    done = subprocess.run(["bash", str(REPO_ROOT / "tools" / "gpu_run.sh"), "ab"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert calls.read_text().splitlines() == [f"-m tools.ab_bench --out /tmp/ab {args}"]
+    with tarfile.open(out / "ab.tgz") as tar:
+        assert {"ab/summary.csv", "ab/1-old"} <= set(tar.getnames())
+    assert sorted(p.name for p in out.iterdir()) == ["ab.tgz", "logs.tgz"]
 
 
 # Stands in for python3 in the build phase: the build reports whether the carried object is in

@@ -3,7 +3,7 @@
 # peers, publish it to an embedded Hub and load it back, and train. Phases run in the order
 # given (default: setup build test bench hub):
 #
-#   bash tools/gpu_run.sh [setup] [build] [test] [sanitize] [bench] [hub] [train]
+#   bash tools/gpu_run.sh [setup] [build] [test] [sanitize] [bench] [ab] [hub] [train]
 #
 # setup     installs the wheels carried in .whl/ (what the GPU image lacks: kernels,
 #           huggingface_hub, nvidia-cutlass, ...) into /tmp/site, and FlashAttention-4 from the
@@ -20,6 +20,8 @@
 #           archived to $OUT/bench.tgz; unpacked into benchmarks/ it is the release page. The
 #           release grid takes one call per head dim: BENCH_ARGS="--head-dims 64", then
 #           "--head-dims 128 --append", "--head-dims 256 --append" (each call runs setup too).
+# ab        python -m tools.ab_bench with AB_ARGS: run-time variants of one build A/B'd in
+#           alternating bench processes (tools/ab_bench.py), archived to $OUT/ab.tgz.
 # hub       python -m flash_attn_hub release: build, check, publish to an embedded Hub, verify.
 # train     benchmarks/train_trl.py, loading ours from the embedded Hub that hub published to
 #           (run hub first); TRAIN_ARGS adds flags.
@@ -117,6 +119,15 @@ for phase in "${phases[@]}"; do
       run_phase bench timeout "${BENCH_TIMEOUT:-570}" python3 -m flash_attn_hub bench --into "$BENCH_PAGE" \
         --kernel-dir build --no-progress ${BENCH_ARGS:-}
       [[ -f $BENCH_PAGE/results.csv ]] && tar czf "$OUT/bench.tgz" -C "$BENCH_PAGE" .
+      ;;
+    ab)
+      # tools/ab_bench.py: AB_ARGS holds its flags, then -- and bench's (e.g. "--variant
+      # old=FAH_X=0 --variant new= --rounds 2 -- --grid main --modes bwd --head-dims 128
+      # --providers ours-cuda,sdpa-cudnn"); the pages and summary.csv go back as $OUT/ab.tgz.
+      rm -rf /tmp/ab
+      # shellcheck disable=SC2086
+      run_phase ab timeout "${AB_TIMEOUT:-570}" python3 -m tools.ab_bench --out /tmp/ab ${AB_ARGS:-}
+      [[ -d /tmp/ab ]] && tar czf "$OUT/ab.tgz" -C /tmp ab
       ;;
     hub)
       # HUB_ARGS adds flags, e.g. "--no-transformers" when only the train phase needs the Hub.
