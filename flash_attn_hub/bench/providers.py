@@ -470,8 +470,8 @@ class FlashInfer(Provider):
       ``use_tensor_cores=False``). Several (multi-token decode): its ``q_len_per_req`` path,
       which runs on the tensor-core kernel and is causal, bottom-right aligned (its only mask
       for several tokens); a non-causal one is skipped.
-    - ``backend="fa2"``: FlashInfer's own kernels, named rather than ``auto``, which may hand
-      some shapes to cuDNN or XQA on other GPUs; the cell then says which kernel it measured.
+    - ``backend="fa2"``: FlashInfer's own kernels, named rather than ``auto`` (which may hand
+      some shapes to cuDNN or XQA), so that the page knows which kernel it measured.
     - A contiguous cache ``(B, Sk, Hkv, D)`` is already paged memory: viewed (no copy) as
       pages of ``gcd(Sk, 16)`` keys with the identity page table. Pages as long as a whole
       sequence would leave FlashInfer's split-KV scheduler (it splits in whole pages) nothing
@@ -526,6 +526,7 @@ class FlashInfer(Provider):
         indptr, indices, last_page_len = paged_kv_indices(table, x.cache_seqlens, page)
         wrapper = self.api.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace[device], "NHD", use_tensor_cores=w.seqlen_q > 1, backend="fa2")
+        # Planned here, outside the timed closure: a serving loop plans once per step for all layers.
         wrapper.plan(indptr, indices, last_page_len, w.heads_q, w.heads_kv, w.head_dim, page,
                      q_data_type=x.q.dtype, kv_data_type=k_cache.dtype, window_left=w.window_left,
                      q_len_per_req=w.seqlen_q)
