@@ -16,15 +16,16 @@ import torch
 
 from flash_attn_hub.bench import env as bench_env
 from flash_attn_hub.bench import report, runner, timing
-from flash_attn_hub.bench.providers import (KV_CHECK_VALUES_ENV, FlashAttention4, FlashAttnPackage, Flex, Ours,
-                                            Prepared, Sdpa, make_providers, sdpa_forward)
+from flash_attn_hub.bench.providers import (KV_CHECK_VALUES_ENV, FlashAttention4, FlashAttnPackage, FlashInfer,
+                                            Flex, Ours, Prepared, Sdpa, make_providers, paged_kv_indices,
+                                            sdpa_forward)
 from flash_attn_hub.bench.workloads import (ALL_GRIDS, Workload, attention_flops, cpu_stand_ins, grid_names,
                                             grid_workloads, make_inputs, packed_lengths, visible_pairs)
 from flash_attn_hub.reference import attention_reference, kvcache_reference, visible_mask
 
 REQUIRED = ("provider", "workload", "mode", "dtype", "batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv",
             "head_dim", "causal", "ms_p20", "ms_p50", "ms_p80", "tflops", "ratio_to_best_peer", "peak_mem_bytes",
-            "gpu", "driver", "torch", "cuda", "cudnn", "triton", "fa4", "git_sha", "date")
+            "gpu", "driver", "torch", "cuda", "cudnn", "triton", "fa4", "flashinfer", "git_sha", "date")
 KV_COLUMNS = ("kv_cache", "page_size", "gbps", "copy_gbps", "pct_copy", "host_us")
 
 
@@ -292,6 +293,102 @@ def test_fa4_is_called_with_its_own_conventions(monkeypatch):
     assert "flash-attn-4" in FlashAttention4().unavailable()
 
 
+@pytest.mark.kernels_ci
+def test_flashinfer_page_table_from_a_block_table():
+    """indptr / indices / last_page_len, FlashInfer's CSR page table: the used pages of each
+    sequence in order (the padding past them dropped), keys in each last page 1..page."""
+    table = torch.tensor([[7, 2, -1], [0, -1, -1], [3, 1, 5]], dtype=torch.int32)
+    indptr, indices, last = paged_kv_indices(table, torch.tensor([5, 4, 9], dtype=torch.int32), 4)
+    assert indptr.tolist() == [0, 2, 3, 6] and indices.tolist() == [7, 2, 0, 3, 1, 5]
+    assert last.tolist() == [1, 4, 1] and {t.dtype for t in (indptr, indices, last)} == {torch.int32}
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        paged_kv_indices(table, torch.tensor([5, 0, 9], dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="block_table"):
+        paged_kv_indices(table, torch.tensor([5, 4, 13], dtype=torch.int32), 4)
+
+
+class _FakeDecodeWrapper:
+    """FlashInfer's BatchDecodeWithPagedKVCacheWrapper as its documentation defines it, on the
+    CPU: sequence b's keys are its pages ``indices[indptr[b]:indptr[b + 1]]`` in order, the last
+    one holding ``last_page_len[b]`` keys; q is ``(B * q_len_per_req, Hq, D)``, several new
+    tokens causal (bottom-right)."""
+    made = []
+
+    def __init__(self, workspace, kv_layout="NHD", use_tensor_cores=False, backend="auto"):
+        self.init = dict(workspace=workspace, kv_layout=kv_layout, use_tensor_cores=use_tensor_cores,
+                         backend=backend)
+        _FakeDecodeWrapper.made.append(self)
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, **kw):
+        self.planned = dict(indptr=indptr, indices=indices, last_page_len=last_page_len, heads=(num_qo_heads,
+                            num_kv_heads, head_dim), page_size=page_size, **kw)
+
+    def run(self, q, paged_kv_cache):
+        self.cache = k_cache, v_cache = paged_kv_cache
+        plan = self.planned
+        sq = plan.get("q_len_per_req", 1)
+        assert k_cache.shape[1] == plan["page_size"]  # NHD: (pages, page_size, Hkv, D)
+        ptr, idx, last = (plan[n].tolist() for n in ("indptr", "indices", "last_page_len"))
+        outs = []
+        for b in range(len(last)):
+            pages = idx[ptr[b]:ptr[b + 1]]
+            n = (len(pages) - 1) * plan["page_size"] + last[b]
+            k, v = (c[pages].flatten(0, 1)[:n].unsqueeze(0) for c in (k_cache, v_cache))
+            out, _ = attention_reference(q[b * sq:(b + 1) * sq].unsqueeze(0), k, v, causal=sq > 1)
+            outs.append(out[0].to(q.dtype))
+        return torch.cat(outs)
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("page, sq", [(16, 1), (16, 4), (0, 1), (0, 4)])
+def test_flashinfer_decodes_the_workloads_cache_through_its_page_table(monkeypatch, page, sq):
+    """The FlashInfer peer on a stand-in module: planned once in prepare (NHD, the workload's page
+    size, a contiguous cache as pages of gcd(Sk, 16) keys in place), its output the oracle's for
+    uneven cache lengths; several new tokens through q_len_per_req on the tensor-core path."""
+    fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=_FakeDecodeWrapper)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(_FakeDecodeWrapper, "made", [])
+    provider = make_providers(["flashinfer"], None)[0]
+    assert isinstance(provider, FlashInfer) and provider.unavailable() is None
+    w = Workload("t", 3, sq, 40, 4, 2, 16, True, modes=("fwd",), kv_cache=True, page_size=page)
+    assert provider.unsupported(w) is None
+    x = make_inputs(w, device="cpu", dtype=torch.float64, seed=3)
+    x = dataclasses.replace(x, cache_seqlens=torch.tensor([40, 17, 33], dtype=torch.int32))
+    prepared = provider.prepare(w, x)
+    wrapper, = _FakeDecodeWrapper.made
+    assert wrapper.init["kv_layout"] == "NHD" and wrapper.init["backend"] == "fa2"
+    assert wrapper.init["use_tensor_cores"] is (sq > 1) and wrapper.planned["q_len_per_req"] == sq
+    assert wrapper.planned["heads"] == (4, 2, 16) and wrapper.planned["q_data_type"] == torch.float64
+    assert wrapper.planned["page_size"] == (page or 8)  # gcd(40, 16)
+    pages = [3, 2, 3] if page else [5, 3, 5]
+    assert wrapper.planned["indptr"].tolist() == [0, *torch.tensor(pages).cumsum(0).tolist()]
+    assert wrapper.planned["last_page_len"].tolist() == [8, 1, 1]  # 40, 17, 33 keys in pages of 16 or 8
+    got = prepared.fwd()
+    want = kvcache_reference(x.q, x.k, x.v, cache_seqlens=x.cache_seqlens, block_table=x.block_table,
+                             causal=True)["out"]
+    assert got.shape == x.q.shape
+    torch.testing.assert_close(got, want)
+    if page:  # the used pages, in the block table's order
+        assert wrapper.planned["indices"].tolist() == [p for row, n in zip(x.block_table.tolist(), pages)
+                                                       for p in row[:n]]
+    else:  # a contiguous cache, read in place: sequence b's pages are 5b .. 5b + 4
+        assert wrapper.planned["indices"].tolist() == [b * 5 + i for b, n in enumerate(pages) for i in range(n)]
+        assert wrapper.cache[0].shape == (15, 8, 2, 16) and wrapper.cache[0].data_ptr() == x.k.data_ptr()
+
+
+@pytest.mark.kernels_ci
+def test_flashinfer_skips_what_it_cannot_run_with_a_reason(monkeypatch):
+    provider = FlashInfer()
+    assert "kv-cache" in provider.unsupported(Workload("t", 2, 64, 64, 4, 4, 64, True))
+    multi = Workload("t", 1, 4, 64, 4, 2, 64, False, modes=("fwd",), kv_cache=True, page_size=16)
+    assert "causal only" in provider.unsupported(multi)
+    assert provider.unsupported(dataclasses.replace(multi, seqlen_q=1)) is None  # one query: no mask
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # not installed
+    assert "`import flashinfer` (flashinfer-python) failed" in FlashInfer().unavailable()
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace())
+    assert "no BatchDecodeWithPagedKVCacheWrapper" in FlashInfer().unavailable()
+
+
 def _record(provider, tflops, workload="w", mode="fwd"):
     return {"provider": provider, "workload": workload, "mode": mode, "dtype": "bf16", "tflops": tflops}
 
@@ -493,10 +590,14 @@ def test_page_is_replaced_or_added_to(tmp_path):
 
 
 def test_page_names_the_fa4_version_it_measured(tmp_path):
-    records = _gqa_records(ENV, ours_mib=100, flash_mib=400)
+    records = _gqa_records(dict(ENV, flashinfer="0.7.4"), ours_mib=100, flash_mib=400)
     records.append(dict(records[-1], provider="fa4"))
     text = report.write_page(tmp_path, runner.add_ratios(records), []).read_text()
     assert "FlashAttention-4 (flash-attn-4) 4.0.0b36" in text
+    assert "FlashInfer (flashinfer-python)" not in text  # installed, but not measured on this page
+    records.append(dict(records[-1], provider="flashinfer"))
+    text = report.write_page(tmp_path, runner.add_ratios(records), []).read_text()
+    assert "FlashInfer (flashinfer-python) 0.7.4" in text
 
 
 def test_cli_on_cpu(flash_attn, tmp_path, capsys, monkeypatch):

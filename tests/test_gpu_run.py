@@ -1,10 +1,12 @@
 """``tools/gpu_run.sh`` without a GPU: the bench phase with a stand-in for ``python3`` (so the
 shell logic is what is tested): the command it runs, the page it archives for the trip back,
-the logs archived, and an unknown phase failing the call."""
+the logs archived, and an unknown phase failing the call; the setup phase taking FlashInfer's
+two carried halves over two calls."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tarfile
 
@@ -95,3 +97,48 @@ def test_build_phase_reuses_carried_objects_and_sends_them_back(tmp_path):
     assert calls.read_text().splitlines() == ["carried object found", f"check {tmp_path / 'variant'}"]
     with tarfile.open(out / "cuda-objects.tgz") as tar:
         assert {"obj/carried/obj.o", "obj/built/obj.o"} <= set(tar.getnames())
+
+
+# Stands in for python3 and nvidia-smi in the setup phase: records the PYTHONPATH that the
+# version line of FlashInfer sees. The stand-in install.sh records its arguments and installs.
+FAKE_SETUP_PYTHON = """#!/usr/bin/env bash
+[[ $* == *flashinfer* ]] && echo "flashinfer PYTHONPATH=$PYTHONPATH PATH=${PATH%%:*}" >>"$CALLS"
+exit 0
+"""
+FAKE_INSTALL = """#!/usr/bin/env bash
+echo "install $*" >>"$CALLS"
+mkdir -p "$1/flashinfer"
+"""
+
+
+def test_setup_takes_flashinfer_in_two_calls(tmp_path):
+    repo, bin_dir = tmp_path / "repo", tmp_path / "bin"
+    (repo / "tools").mkdir(parents=True)
+    shutil.copy(REPO_ROOT / "tools" / "gpu_run.sh", repo / "tools" / "gpu_run.sh")
+    bin_dir.mkdir()
+    for name, text in (("python3", FAKE_SETUP_PYTHON), ("nvidia-smi", "#!/usr/bin/env bash\necho gpu\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    half, site, calls = tmp_path / "half", tmp_path / "fisite", tmp_path / "calls"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+           "CALLS": str(calls), "FLASHINFER_HALF_DIR": str(half), "FLASHINFER_SITE": str(site)}
+    env.pop("PYTHONPATH", None)
+
+    def setup():
+        done = subprocess.run(["bash", str(repo / "tools" / "gpu_run.sh"), "setup"], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return calls.read_text().splitlines() if calls.exists() else []
+
+    (repo / ".flashinfer" / "a").mkdir(parents=True)
+    (repo / ".flashinfer" / "a" / "part.00").write_text("first half")
+    assert [line for line in setup() if line.startswith("install")] == []  # call 1: the half stays behind
+    assert (half / "part.00").read_text() == "first half"
+    shutil.rmtree(repo / ".flashinfer" / "a")
+    (repo / ".flashinfer" / "b").mkdir()
+    (repo / ".flashinfer" / "b" / "install.sh").write_text(FAKE_INSTALL)
+    lines = setup()  # call 2: both halves, installed once and put on the paths
+    assert f"install {site} {half}" in lines
+    assert lines[-1] == f"flashinfer PYTHONPATH={site} PATH={site}/bin"
+    setup()  # a third call on the same machine does not install again
+    assert sum(line.startswith("install") for line in calls.read_text().splitlines()) == 1

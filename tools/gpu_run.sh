@@ -6,8 +6,9 @@
 #   bash tools/gpu_run.sh [setup] [build] [test] [sanitize] [bench] [ab] [hub] [train]
 #
 # setup     installs the wheels carried in .whl/ (what the GPU image lacks: kernels,
-#           huggingface_hub, nvidia-cutlass, ...) into /tmp/site, and FlashAttention-4 from the
-#           two halves of .fa4/ (tools/README.md) when they are there; records GPU and versions.
+#           huggingface_hub, nvidia-cutlass, ...) into /tmp/site, and FlashAttention-4 and
+#           FlashInfer from the two halves of .fa4/ and .flashinfer/ (tools/README.md) when they
+#           are there; records GPU and versions.
 #           Every call needs it: what it exports does not outlive the call.
 # build     the CUDA variant into build/ (python -m flash_attn_hub build --backend cuda), then
 #           checked; the later phases load it from there. A carried .cuda-objects.tgz (the
@@ -79,9 +80,26 @@ for phase in "${phases[@]}"; do
           { log "FA4 install failed; tail of fa4-install.log:"; tail -n 20 "$OUT/fa4-install.log"; status=1; }
         export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
       fi
+      # FlashInfer the same way (tools/flashinfer-carry.sh): .flashinfer/a, then .flashinfer/b.
+      # Its kernels compile on first use into FLASHINFER_WORKSPACE_BASE (kept on a warm machine);
+      # ninja, its build tool, comes as a wheel whose script lands in $fisite/bin.
+      fihalf=${FLASHINFER_HALF_DIR:-/root/flashinfer} fisite=${FLASHINFER_SITE:-/tmp/fisite}
+      if [[ -f .flashinfer/a/part.00 ]]; then
+        mkdir -p "$fihalf" && cp .flashinfer/a/* "$fihalf"/
+      fi
+      if [[ -f .flashinfer/b/install.sh && -f $fihalf/part.00 ]]; then
+        [[ -d $fisite/flashinfer ]] || bash .flashinfer/b/install.sh "$fisite" "$fihalf" \
+          >"$OUT/flashinfer-install.log" 2>&1 ||
+          { log "FlashInfer install failed; tail of flashinfer-install.log:"; tail -n 20 "$OUT/flashinfer-install.log"
+            status=1; }
+        export PYTHONPATH=$fisite${PYTHONPATH:+:$PYTHONPATH}
+        export PATH=$fisite/bin:$PATH
+        export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fiws}
+      fi
       nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
       python3 -c "import torch, triton, kernels, huggingface_hub, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'triton', triton.__version__, 'kernels', kernels.__version__, 'hf_hub', huggingface_hub.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
       python3 -c "from flash_attn.cute import flash_attn_func; from importlib.metadata import version; print('flash-attn-4', version('flash-attn-4'))" 2>/dev/null | tee -a "$OUT/gpu.txt"
+      python3 -c "import flashinfer; from importlib.metadata import version; print('flashinfer-python', version('flashinfer-python'))" 2>/dev/null | tee -a "$OUT/gpu.txt"
       ;;
     build)
       # Objects compiled on an earlier GPU machine travel as $CUDA_OBJECTS (carry it): the

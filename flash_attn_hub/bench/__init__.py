@@ -27,7 +27,7 @@ command stopped by a time limit keeps what it finished.
 
 The kv-cache grid (``kvcache``; ``kvcache-quick`` is its corners) times decode steps of
 ``flash_attn_with_kvcache`` (paged and contiguous caches, multi-token decode) against SDPA
-cuDNN / flash on the contiguous cache, inside CUDA graphs, with their GB/s against a device
+cuDNN / flash on the contiguous cache and FlashInfer's paged decode when installed, inside CUDA graphs, with their GB/s against a device
 copy and the eager host time per call; see the page's Method.
 """
 
@@ -75,8 +75,8 @@ def register(subparsers) -> None:
                    help=f"workload grids, comma-separated: {', '.join(g for g in GRIDS if g not in CPU_GRIDS)}, "
                         "or all (default: main, the release grid; without a GPU the tiny CPU grids run)")
     p.add_argument("--providers", type=_csv, default=None,
-                   help="comma-separated, e.g. ours-cuda,ours-triton,fa4,sdpa-cudnn,flex "
-                        "(default: all that run on this device)")
+                   help="comma-separated, e.g. ours-cuda,ours-triton,fa4,sdpa-cudnn,flex,flashinfer "
+                        "(flashinfer: kv-cache grids only; default: all that run on this device)")
     p.add_argument("--modes", type=_csv, default=list(DEFAULT_MODES),
                    help="subset of fwd,bwd,fwd_bwd (fwd_bwd: a training step's attention); default fwd,bwd")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])

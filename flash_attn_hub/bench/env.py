@@ -102,6 +102,7 @@ def environment(device: torch.device, ours_module=None, sha: str | None = None) 
         "triton": _version("triton"),
         "kernels": _version("kernels"),
         "fa4": distribution_version("flash-attn-4"),
+        "flashinfer": distribution_version("flashinfer-python"),
         "kernel_build": getattr(ours_module, "__name__", None),
         "git_sha": sha,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -109,4 +110,4 @@ def environment(device: torch.device, ours_module=None, sha: str | None = None) 
 
 
 # Fields that must agree for two runs' numbers to share one table (see ``report.combine``).
-SAME_MACHINE = ("gpu", "driver", "torch", "cuda", "cudnn", "triton", "fa4")
+SAME_MACHINE = ("gpu", "driver", "torch", "cuda", "cudnn", "triton", "fa4", "flashinfer")

@@ -33,7 +33,10 @@ METHOD = """\
 - **Peers**: PyTorch SDPA pinned to one backend (`sdpa-cudnn`, `sdpa-flash`), FlexAttention
   (`flex`, `torch.compile`d, one graph per shape), FlashAttention-4 (`fa4`, the `flash-attn-4`
   package, compiled on its first call per configuration, before anything is timed; its
-  backward through autograd), and flash-attn 2 / FlashAttention-3 when installed.
+  backward through autograd), FlashInfer (`flashinfer`, the `flashinfer-python` package, on
+  kv-cache steps only: its paged decode wrapper planned before timing, one new token on its
+  CUDA-core decode kernel, several on its tensor-core one; a contiguous cache read in place as
+  pages of 16 keys), and flash-attn 2 / FlashAttention-3 when installed.
 - **Ratio**: our TFLOP/s over the best peer's in the same process, workload and mode (ours are
   never peers). A page measured in two commands keeps each (workload, mode) group whole from
   one of them, so a ratio never mixes two processes.
@@ -228,10 +231,11 @@ def gqa_memory(records: list[dict]) -> list[str]:
 
 
 def _header_lines(env: dict, records: list[dict]) -> list[str]:
-    fa4 = f"; FlashAttention-4 (flash-attn-4) {env['fa4']}" if env.get("fa4") and any(
-        r["provider"] == "fa4" for r in records) else ""
+    peers = "".join(f"; {title} {env[key]}" for key, title in (("fa4", "FlashAttention-4 (flash-attn-4)"),
+                                                               ("flashinfer", "FlashInfer (flashinfer-python)"))
+                    if env.get(key) and any(r["provider"] == key for r in records))
     return [f"GPU: **{env.get('gpu')}**" + (f" (driver {env['driver']})" if env.get("driver") else "") +
-            f"; {versions(env)}{fa4}; kernels {env.get('kernels')}; our build `{env.get('kernel_build')}`; "
+            f"; {versions(env)}{peers}; kernels {env.get('kernels')}; our build `{env.get('kernel_build')}`; "
             f"git `{env.get('git_sha')}`; {env.get('date')}.", "",
             *_command_lines(env.get("command"))]
 

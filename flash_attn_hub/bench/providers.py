@@ -13,8 +13,9 @@ cannot run a workload says why (``unsupported``), or fails verification or its f
 KV-cache decode steps (``Workload.kv_cache``) are ``flash_attn_with_kvcache`` calls for ours
 (value checks off, as a serving loop runs it; see ``KV_CHECK_VALUES_ENV``), and for SDPA an
 attention over the contiguous cache read in place (``enable_gqa``, causal lower-right for
-several new tokens). SDPA has no paged cache, and the other peers are not wired to a kv-cache
-call here: they skip those cells.
+several new tokens). SDPA has no paged cache. FlashInfer (``flashinfer``) runs kv-cache steps
+only, through its paged decode wrapper (:class:`FlashInfer`). The other peers are not wired to a
+kv-cache call here: they skip those cells.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import math
 import os
 from pathlib import Path
 from typing import Callable
@@ -37,7 +39,8 @@ BACKEND_ENV = "FLASH_ATTN_HUB_BACKEND"
 # (a device-to-host read per eager call); a serving loop turns that off (kvcache.py's
 # [Note: value checks]), and so does the benchmark, so eager host time is the loop's.
 KV_CHECK_VALUES_ENV = "FLASH_ATTN_HUB_CHECK_VALUES"
-GPU_DEFAULT = ("ours-cuda", "ours-triton", "fa4", "sdpa-cudnn", "sdpa-flash", "flex", "flash-attn2", "fa3")
+GPU_DEFAULT = ("ours-cuda", "ours-triton", "fa4", "sdpa-cudnn", "sdpa-flash", "flex", "flash-attn2", "fa3",
+               "flashinfer")
 CPU_DEFAULT = ("ours-cpu", "sdpa-math")
 # ours-auto: the package's own choice per call (what users get); not in the default set, whose
 # ours-cuda / ours-triton already measure both GPU backends. sdpa-efficient: no GQA, far behind.
@@ -429,6 +432,111 @@ class FlashAttention4(Provider):
         return Prepared([q, k, v], fwd)
 
 
+def paged_kv_indices(block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                     page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's CSR page table from a flash-attn style one: ``block_table (B, max_pages)``
+    (int32, padded past each sequence's pages) and ``cache_seqlens (B,)`` become int32
+    ``indptr (B + 1,)`` (sequence b's pages are ``indices[indptr[b]:indptr[b + 1]]``),
+    ``indices`` (the used page ids, sequence by sequence, in order) and ``last_page_len (B,)``
+    (keys in each sequence's last page, 1..page_size). Reads the lengths on the host: setup
+    work, never timed."""
+    if page_size < 1:
+        raise ValueError(f"page_size: must be >= 1, got {page_size}")
+    if block_table.dim() != 2 or cache_seqlens.shape != block_table.shape[:1]:
+        raise ValueError(f"block_table / cache_seqlens: need (B, pages) and (B,), got {tuple(block_table.shape)} "
+                         f"and {tuple(cache_seqlens.shape)}")
+    lengths = cache_seqlens.to(torch.int64)
+    if lengths.numel() and int(lengths.min()) < 1:
+        raise ValueError(f"cache_seqlens: FlashInfer's decode needs >= 1 cached key per sequence, got "
+                         f"{cache_seqlens.tolist()}")
+    pages = (lengths + page_size - 1) // page_size
+    if pages.numel() and int(pages.max()) > block_table.shape[1]:
+        raise ValueError(f"block_table: {block_table.shape[1]} pages per sequence hold fewer than "
+                         f"cache_seqlens={cache_seqlens.tolist()} keys in pages of {page_size}")
+    indptr = torch.zeros(len(pages) + 1, dtype=torch.int64, device=block_table.device)
+    indptr[1:] = torch.cumsum(pages, 0)
+    used = torch.arange(block_table.shape[1], device=block_table.device) < pages[:, None]
+    indices = block_table[used]  # boolean indexing walks row-major: sequence by sequence
+    last_page_len = lengths - (pages - 1) * page_size
+    return indptr.to(torch.int32), indices.to(torch.int32), last_page_len.to(torch.int32)
+
+
+class FlashInfer(Provider):
+    """FlashInfer (pip ``flashinfer-python``), when installed: a decode step through its public
+    paged-KV decode API, ``BatchDecodeWithPagedKVCacheWrapper`` (NHD layout, the workload's
+    page size; ``plan`` then ``run``), on kv-cache workloads only.
+
+    - One new token: FlashInfer's CUDA-core decode kernel (the wrapper's default,
+      ``use_tensor_cores=False``). Several (multi-token decode): its ``q_len_per_req`` path,
+      which runs on the tensor-core kernel and is causal, bottom-right aligned (its only mask
+      for several tokens); a non-causal one is skipped.
+    - ``backend="fa2"``: FlashInfer's own kernels, named rather than ``auto`` (which may hand
+      some shapes to cuDNN or XQA), so that the page knows which kernel it measured.
+    - A contiguous cache ``(B, Sk, Hkv, D)`` is already paged memory: viewed (no copy) as
+      pages of ``gcd(Sk, 16)`` keys with the identity page table. Pages as long as a whole
+      sequence would leave FlashInfer's split-KV scheduler (it splits in whole pages) nothing
+      to split for a small batch over a long cache.
+    - ``plan`` belongs to setup: a serving loop plans once per step (page table to the
+      device, the split-KV schedule) and runs every layer on that plan, so only ``run`` is
+      timed. Each input set gets its own wrapper and plan (the runner rotates several); they
+      share one zeroed float workspace, as a serving loop's wrappers do.
+    - GQA natively; ``softmax_scale`` is FlashInfer's default ``D ** -0.5``, as ours. It
+      compiles each configuration on its first ``plan`` (JIT), before anything is timed."""
+    name = "flashinfer"
+    WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended split-KV workspace
+    CONTIGUOUS_PAGE = 16  # keys per page when a contiguous cache is read as a paged one
+
+    def __init__(self):
+        self.api = None
+        self._workspace: dict[torch.device, torch.Tensor] = {}
+
+    def unavailable(self):
+        try:
+            api = importlib.import_module("flashinfer")
+        except Exception as err:
+            return f"`import flashinfer` (flashinfer-python) failed ({type(err).__name__}: {err})"[:200]
+        if not hasattr(api, "BatchDecodeWithPagedKVCacheWrapper"):
+            return "flashinfer has no BatchDecodeWithPagedKVCacheWrapper"
+        self.api = api
+        return None
+
+    def unsupported(self, w):
+        if not w.kv_cache:
+            return "FlashInfer is wired for kv-cache decode steps only here"
+        if w.seqlen_q > 1 and not w.causal:  # one query sees every key: causal or not is the same
+            return "FlashInfer's multi-token decode (q_len_per_req) is causal only"
+        return None
+
+    def _paged_cache(self, w: Workload, x: Inputs):
+        """``(k_cache, v_cache, block_table, page_size)`` of FlashInfer's NHD paged layout."""
+        if w.page_size:
+            return x.k, x.v, x.block_table, w.page_size
+        batch, capacity = x.k.shape[:2]
+        page = math.gcd(capacity, self.CONTIGUOUS_PAGE)
+        pages = capacity // page
+        table = torch.arange(batch * pages, dtype=torch.int32, device=x.k.device).view(batch, pages)
+        k_cache, v_cache = (t.view(batch * pages, page, *t.shape[2:]) for t in (x.k, x.v))
+        return k_cache, v_cache, table, page
+
+    def prepare(self, w, x):
+        device = x.q.device
+        if device not in self._workspace:  # must be zeros on first use
+            self._workspace[device] = torch.zeros(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        k_cache, v_cache, table, page = self._paged_cache(w, x)
+        indptr, indices, last_page_len = paged_kv_indices(table, x.cache_seqlens, page)
+        wrapper = self.api.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace[device], "NHD", use_tensor_cores=w.seqlen_q > 1, backend="fa2")
+        # Planned here, outside the timed closure: a serving loop plans once per step for all layers.
+        wrapper.plan(indptr, indices, last_page_len, w.heads_q, w.heads_kv, w.head_dim, page,
+                     q_data_type=x.q.dtype, kv_data_type=k_cache.dtype, window_left=w.window_left,
+                     q_len_per_req=w.seqlen_q)
+        q = x.q.reshape(-1, w.heads_q, w.head_dim)  # (B * Sq, Hq, D): a view
+
+        def fwd():
+            return wrapper.run(q, (k_cache, v_cache)).view(x.q.shape)
+        return Prepared([x.q, x.k, x.v], fwd)
+
+
 def make_providers(names, ours_module, ours_error: str | None = None, *, explicit: bool = False) -> list[Provider]:
     """Providers by name, in the given order (``KNOWN`` lists them); ``explicit``: the names
     were asked for, not the defaults (see :class:`Ours`)."""
@@ -446,6 +554,8 @@ def make_providers(names, ours_module, ours_error: str | None = None, *, explici
             out.append(FlashAttnPackage(name, "flash_attn_interface", ours_module))
         elif name == "fa4":
             out.append(FlashAttention4())
+        elif name == "flashinfer":
+            out.append(FlashInfer())
         else:
             raise ValueError(f"providers: unknown provider {name!r}; known: {', '.join(KNOWN)}")
     return out

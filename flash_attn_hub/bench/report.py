@@ -38,8 +38,8 @@ def env_of(records: list[dict]) -> dict:
     """The machine and versions of the rows: a field's value when they agree, else the
     values joined (dates: first .. last); ``command`` is the list of the commands whose rows
     the page holds, in the order they first appear."""
-    keys = ("gpu", "driver", "torch", "cuda", "cudnn", "triton", "kernels", "fa4", "kernel_build", "git_sha", "date",
-            "command")
+    keys = ("gpu", "driver", "torch", "cuda", "cudnn", "triton", "kernels", "fa4", "flashinfer", "kernel_build",
+            "git_sha", "date", "command")
     out = {}
     for key in keys:
         values = list(dict.fromkeys(r.get(key) for r in records if r.get(key) not in (None, "")))
