@@ -362,6 +362,18 @@ class Flex(Provider):
         return Prepared([q, k, v], fwd)
 
 
+def import_peer(module_name: str, package: str, needs: str):
+    """``(module, None)`` when ``module_name`` imports and has attribute ``needs``, else
+    ``(None, why not)``: how an optional peer package is found (``package``: its pip name)."""
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:
+        return None, f"`import {module_name}` ({package}) failed ({type(err).__name__}: {err})"[:200]
+    if not hasattr(module, needs):
+        return None, f"`{module_name}` has no {needs}"
+    return module, None
+
+
 class FlashAttnPackage(FlashApi):
     """The flash-attn 2 (``flash_attn``) or FlashAttention-3 (``flash_attn_interface``) pip
     packages, when installed (and not our own package under the same name)."""
@@ -402,14 +414,8 @@ class FlashAttention4(Provider):
         self.api = None
 
     def unavailable(self):
-        try:
-            api = importlib.import_module("flash_attn.cute")
-        except Exception as err:
-            return f"`import flash_attn.cute` (flash-attn-4) failed ({type(err).__name__}: {err})"[:200]
-        if not hasattr(api, "flash_attn_func"):
-            return "flash_attn.cute has no flash_attn_func (not FlashAttention-4)"
-        self.api = api
-        return None
+        self.api, why = import_peer("flash_attn.cute", "flash-attn-4", "flash_attn_func")
+        return why
 
     def unsupported(self, w):
         return "no kv-cache call wired for FlashAttention-4 here" if w.kv_cache else None
@@ -491,14 +497,9 @@ class FlashInfer(Provider):
         self._workspace: dict[torch.device, torch.Tensor] = {}
 
     def unavailable(self):
-        try:
-            api = importlib.import_module("flashinfer")
-        except Exception as err:
-            return f"`import flashinfer` (flashinfer-python) failed ({type(err).__name__}: {err})"[:200]
-        if not hasattr(api, "BatchDecodeWithPagedKVCacheWrapper"):
-            return "flashinfer has no BatchDecodeWithPagedKVCacheWrapper"
-        self.api = api
-        return None
+        self.api, why = import_peer("flashinfer", "flashinfer-python",
+                                    "BatchDecodeWithPagedKVCacheWrapper")
+        return why
 
     def unsupported(self, w):
         if not w.kv_cache:
