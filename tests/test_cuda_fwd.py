@@ -75,6 +75,24 @@ def test_head_dims(cuda_backend, attn_params, dtype, d, causal):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("softcap", [0.0, 30.0], ids=["plain", "softcap"])
+def test_running_max_moves_late(cuda_backend, attn_params, dtype, d, causal, softcap):
+    """[Note] Lazy rescale (softmax.h): keys scaled up towards the start of the sequence (the
+    forward walks key blocks from the last to the first), so each row's max grows in late
+    steps, by more than the slack in some and by less in others: both the rescaled and the
+    kept-max steps run, the latter with probabilities above 1."""
+    q, k, v = seeded_cuda_qkv(1, 600, 600, 2, 2, d, dtype, seed=7 + d)
+    ramp = torch.linspace(6.0, 1.0, 600, device="cuda")
+    k = (k.float() * ramp[None, :, None, None]).to(dtype)
+    _check(cuda_backend, q, k, v, backend_params(attn_params, d, causal=causal, softcap=softcap,
+                                                 max_q=600, max_k=600))
+
+
+@pytest.mark.gpu
+@needs_sm90
 @pytest.mark.parametrize("d", [8, 40, 72, 80, 112, 136, 160, 200, 248])
 def test_head_dims_between_buckets(cuda_backend, attn_params, d):
     q, k, v = seeded_cuda_qkv(1, 113, 239, 2, 2, d, torch.bfloat16, seed=d)

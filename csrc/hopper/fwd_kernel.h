@@ -569,7 +569,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       if (boundary) {
         finish_tile(args, prev, done, tOrO, thread_row, lane);
         clear(tOrO);  // the next P V accumulates onto it (ScaleOut::One); fenced before its issue
-      } else {
+      } else if (OnlineSoftmax::warp_rescales(corr)) {  // [Note] Lazy rescale
         OnlineSoftmax::rescale(tOrO, corr);
       }
       st_k.advance();
