@@ -229,14 +229,14 @@ def test_group_split(cuda_backend, heuristics, attn_params, monkeypatch, case, s
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("case", ["gqa4", "mqa", "more_queries", "varlen", "sinks_softcap"])
-@pytest.mark.parametrize("d", [128, 120])
+@pytest.mark.parametrize("d", [128, 120, 256, 200])
 def test_block_major_steps(cuda_backend, heuristics, attn_params, monkeypatch, case, d):
-    """[Note] Backward step order (csrc/hopper/bwd_kernel.h): at head dim 128 under a causal band
-    of at most 64 key blocks, without a group split, a CTA walks its query blocks downwards with
-    all its query heads on each. The split is forced to 1 so that several heads share a CTA (the
-    split rule would pick more at these sizes); GQA and MQA groups, more queries than keys
+    """[Note] Backward step order (csrc/hopper/bwd_kernel.h): at head dim 128 or 256 under a causal
+    band of at most 64 key blocks, without a group split, a CTA walks its query blocks downwards
+    with all its query heads on each. The split is forced to 1 so that several heads share a CTA
+    (the split rule would pick more at these sizes); GQA and MQA groups, more queries than keys
     (leading rows see no key), varlen sequences of different lengths beside empty and one-token
-    ones, sinks with softcap, and a head dim padded to 128."""
+    ones, sinks with softcap, and head dims padded to 128 and 256."""
     monkeypatch.setattr(heuristics, "cuda_group_splits", lambda *a: 1)
     torch.manual_seed(d + len(case))
     cu_q = cu_k = s_aux = None

@@ -77,10 +77,13 @@
 // Block-major gained most where many CTAs of a pair run at once with several heads each (Llama
 // 64/8 below 16k keys), and lost where one pair's CTAs fill a whole wave and all meet on every
 // block (16k keys at B=1); measurements in docs/performance.md (Backward, block-major steps).
+// The same held at head dim 256 (64-key CTAs, so 4k keys at most): Llama 64/8 gained 1.2-1.5x
+// up to 4k keys and lost 11% at 8k, GQA 32/8 gained up to 1.15x at 512-1k keys; head dim 64
+// moved within +-2% everywhere and stays head-major.
 // So it runs where it was measured to gain: a causal band without a left bound over at most
-// kBlockMajorKeyBlocks key blocks, head dim 128, no group split; and not in deterministic mode,
-// where the turns would chain the CTAs that meet on a block one step apart. The choice is made
-// in launch_bwd (bwd_launch.h).
+// kBlockMajorKeyBlocks key blocks, head dim 128 or 256, no group split; and not in
+// deterministic mode, where the turns would chain the CTAs that meet on a block one step apart.
+// The choice is made in launch_bwd (bwd_launch.h).
 //
 // [Note] Deterministic dQ
 // With a semaphore array (one int per workspace block, zeroed by the preprocess), the CTAs that add into one dQ

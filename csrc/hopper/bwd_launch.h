@@ -49,9 +49,9 @@ FwdStatus launch_bwd(const FlashBwdParams& p, cudaStream_t stream, char* why, in
   args.grad_scale = f.scale;
   const int key_blocks = (f.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   // [Note] Backward step order
-  args.block_major = Traits::kWindow && Traits::kHeadDim == 128 && f.window_right == 0 &&
-                     f.window_left < 0 && p.dq_semaphore == nullptr && p.group_splits == 1 &&
-                     key_blocks <= kBlockMajorKeyBlocks;
+  args.block_major = Traits::kWindow && (Traits::kHeadDim == 128 || Traits::kHeadDim == 256) &&
+                     f.window_right == 0 && f.window_left < 0 && p.dq_semaphore == nullptr &&
+                     p.group_splits == 1 && key_blocks <= kBlockMajorKeyBlocks;
 
   // the preprocess also writes the padding rows up to the alignment; the cast has none to write
   const dim3 rows_grid(workspace_rows_of(f.seqlen_q) / kWorkspaceRows, f.heads_q, f.batch);
