@@ -8,7 +8,7 @@ runs). Where the change can be switched at run time (an environment variable rea
 temporary launch-side switch, or a Python heuristic), one build serves every variant, and each
 bench process carries a peer (cuDNN, say) as the anchor that shows drift between processes.
 
-    python3 -m tools.ab_bench --variant old=FAH_RESCALE_SLACK=-inf --variant new= --rounds 2 \\
+    python3 -m tools.ab_bench --variant old=FAH_SWITCH=0 --variant new= --rounds 2 \\
         --out ab -- --kernel-dir build --grid main --modes fwd --head-dims 256 \\
         --providers ours-cuda,sdpa-cudnn
 
