@@ -27,8 +27,9 @@ command stopped by a time limit keeps what it finished.
 
 The kv-cache grid (``kvcache``; ``kvcache-quick`` is its corners) times decode steps of
 ``flash_attn_with_kvcache`` (paged and contiguous caches, multi-token decode) against SDPA
-cuDNN / flash on the contiguous cache and FlashInfer's paged decode when installed, inside CUDA graphs, with their GB/s against a device
-copy and the eager host time per call; see the page's Method.
+cuDNN / flash on the contiguous cache and FlashInfer's paged decode when installed, inside
+CUDA graphs, with their GB/s against a device copy and the eager host time per call; see the
+page's Method.
 """
 
 from __future__ import annotations
