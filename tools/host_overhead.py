@@ -7,10 +7,12 @@ negligible, so ``calls / wall time`` is the host's rate. Per provider it prints:
 * eager: wall time per call over many back-to-back calls (host-bound at this size);
 * graph: per-call time of the same call replayed from a CUDA graph (device time plus replay);
 * for ours, a cProfile of the forward path sorted by own time, so the Python layer's share is
-  named function by function.
+  named function by function;
+* with ``--kernels``, the GPU time of each kernel a provider launches per call (torch.profiler),
+  to set against the graph time: what is left between them is launch gaps.
 
     python3 -m tools.host_overhead --kernel-dir build [--out host.json]
-    python3 -m tools.host_overhead --kernel-dir build --kvcache [--seqlen-k 4096]
+    python3 -m tools.host_overhead --kernel-dir build --kvcache [--seqlen-k 4096] [--kernels]
 
 ``--kvcache`` times a decode step instead: ``flash_attn_with_kvcache`` appending one token to a
 contiguous and a page-16 cache (value checks on and off), against SDPA reading the same
@@ -69,6 +71,12 @@ def graph_us(fn, calls: int) -> float | None:
     return per_call_us(graph.replay, calls)
 
 
+def kernel_times(fn, calls: int) -> list[tuple[str, float, int]]:
+    """(kernel, mean GPU microseconds per call, launches per call) of what ``fn`` launches."""
+    from .kernel_times import _profile
+    return _profile(fn, calls)
+
+
 def profile_text(fn, calls: int, lines: int) -> str:
     prof = cProfile.Profile()
     prof.enable()
@@ -83,7 +91,8 @@ def profile_text(fn, calls: int, lines: int) -> str:
 
 def report(providers: dict, shape: str, args, *, no_graph: str, profiled) -> None:
     """Prints (and with ``--out`` writes) each provider's eager and graph time per call (no
-    graph for names containing ``no_graph``), then a cProfile of each ``profiled`` one."""
+    graph for names containing ``no_graph``), with ``--kernels`` the GPU time of its kernels,
+    then a cProfile of each ``profiled`` one."""
     print(f"host time per call, {shape}, {args.calls} calls ({torch.cuda.get_device_name()})")
     results = {"shape": shape, "gpu": torch.cuda.get_device_name(), "rows": []}
     for name, fn in providers.items():
@@ -91,7 +100,12 @@ def report(providers: dict, shape: str, args, *, no_graph: str, profiled) -> Non
         graph = graph_us(fn, args.calls) if no_graph not in name else None
         graph_text = f"{graph:8.1f}" if graph is not None else "       -"
         print(f"  {name:26s} eager {eager:8.1f} us   graph {graph_text} us")
-        results["rows"].append({"provider": name, "eager_us": eager, "graph_us": graph})
+        row = {"provider": name, "eager_us": eager, "graph_us": graph}
+        if args.kernels and no_graph not in name:
+            row["kernels"] = kernel_times(fn, 200)
+            for kernel, us, launches in row["kernels"]:
+                print(f"      {us:8.2f} us  x{launches}  {kernel[:90]}")
+        results["rows"].append(row)
     for name in profiled:
         text = profile_text(providers[name], 500, args.profile_lines)
         print(f"\ncProfile of 500 calls, {name}:\n{text}")
@@ -110,6 +124,8 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--profile-lines", type=int, default=30)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--kernels", action="store_true",
+                        help="also the GPU time of each kernel per call (torch.profiler)")
     parser.add_argument("--kvcache", action="store_true",
                         help="a decode step of flash_attn_with_kvcache (B=1, Sq=1)")
     args = parser.parse_args()
