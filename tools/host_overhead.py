@@ -41,6 +41,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from flash_attn_hub import REPO_ROOT
 from flash_attn_hub.bench import load_local_kernel
 
+from .kernel_times import kernel_profile
+
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -71,12 +73,6 @@ def graph_us(fn, calls: int) -> float | None:
     return per_call_us(graph.replay, calls)
 
 
-def kernel_times(fn, calls: int) -> list[tuple[str, float, int]]:
-    """(kernel, mean GPU microseconds per call, launches per call) of what ``fn`` launches."""
-    from .kernel_times import _profile
-    return _profile(fn, calls)
-
-
 def profile_text(fn, calls: int, lines: int) -> str:
     prof = cProfile.Profile()
     prof.enable()
@@ -102,7 +98,7 @@ def report(providers: dict, shape: str, args, *, no_graph: str, profiled) -> Non
         print(f"  {name:26s} eager {eager:8.1f} us   graph {graph_text} us")
         row = {"provider": name, "eager_us": eager, "graph_us": graph}
         if args.kernels and no_graph not in name:
-            row["kernels"] = kernel_times(fn, 200)
+            row["kernels"] = kernel_profile(fn, 200)
             for kernel, us, launches in row["kernels"]:
                 print(f"      {us:8.2f} us  x{launches}  {kernel[:90]}")
         results["rows"].append(row)

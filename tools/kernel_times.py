@@ -27,7 +27,7 @@ from flash_attn_hub.bench.workloads import Workload, attention_flops
 from .profile_kernels import load_workload, workload_parser
 
 
-def _profile(fn, iters: int) -> list[tuple[str, float, int]]:
+def kernel_profile(fn, iters: int) -> list[tuple[str, float, int]]:
     """(kernel name, mean microseconds per call, launches per call) of what ``fn`` launches."""
     for _ in range(3):
         fn()
@@ -98,7 +98,7 @@ def main() -> int:
                     for t in (q, k, v, qt, kt, vt):  # no gradient accumulation kernels
                         t.grad = None
                     out.backward(grad_out, retain_graph=True)
-            rows = _profile(fn, args.iters)
+            rows = kernel_profile(fn, args.iters)
             total = sum(r[1] for r in rows)
             wall = median_ms(fn, device="cuda", grad_to_none=[q, k, v, qt, kt, vt]) * 1e3
             mode_flops = attention_flops(workload, mode)

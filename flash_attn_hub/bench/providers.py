@@ -381,17 +381,17 @@ class FlashAttnPackage(FlashApi):
     def __init__(self, name: str, module_name: str, ours_module=None):
         self.name = name
         self.module_name = module_name
+        self.package = {"flash_attn": "flash-attn", "flash_attn_interface": "flash-attn-3"}.get(
+            module_name, module_name)
         self.ours_file = Path(getattr(ours_module, "__file__", "") or "/nonexistent").resolve()
 
     def unavailable(self):
-        try:
-            module = importlib.import_module(self.module_name)
-        except Exception as err:
-            return f"`import {self.module_name}` failed ({type(err).__name__})"
+        # no flash_attn_func: e.g. the namespace flash-attn-4 installs
+        module, why = import_peer(self.module_name, self.package, "flash_attn_func")
+        if why:
+            return why
         if Path(getattr(module, "__file__", "") or "").resolve().parent == self.ours_file.parent:
             return f"`{self.module_name}` is our own package"
-        if not hasattr(module, "flash_attn_func"):  # e.g. the namespace flash-attn-4 installs
-            return f"`{self.module_name}` has no flash_attn_func"
         self.module = module
         return None
 
