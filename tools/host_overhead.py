@@ -34,7 +34,6 @@ import contextlib
 import cProfile
 import io
 import json
-import os
 import pstats
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flash_attn_hub import REPO_ROOT
 from flash_attn_hub.bench import load_local_kernel
+from flash_attn_hub.bench.providers import environ
 
 from .kernel_times import kernel_profile
 
@@ -90,7 +90,7 @@ def profile_text(fn, calls: int, lines: int) -> str:
     return buf.getvalue()
 
 
-class Provider:
+class Timed:
     """A call to time, with what it runs under: environment variables and, for SDPA, one
     backend, set once around the timing loop so that neither is part of the call's time."""
 
@@ -102,21 +102,13 @@ class Provider:
 
     @contextlib.contextmanager
     def setting(self):
-        saved = {name: os.environ.get(name) for name in self.env}
-        os.environ.update(self.env)
-        try:
-            with sdpa_kernel(self.sdpa) if self.sdpa is not None else contextlib.nullcontext():
-                yield
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+        backend = sdpa_kernel(self.sdpa) if self.sdpa is not None else contextlib.nullcontext()
+        with environ(**self.env), backend:
+            yield
 
 
 def report(providers: dict, shape: str, args, *, no_graph: str, profiled) -> None:
-    """Prints (and with ``--out`` writes) each :class:`Provider`'s eager and graph time per
+    """Prints (and with ``--out`` writes) each :class:`Timed`'s eager and graph time per
     call (no graph for names containing ``no_graph``), with ``--kernels`` the GPU time of its
     kernels, then a cProfile of each ``profiled`` one."""
     print(f"host time per call, {shape}, {args.calls} calls ({torch.cuda.get_device_name()})")
@@ -174,14 +166,14 @@ def main() -> int:
     dout = torch.randn_like(q)
 
     def ours(backend):
-        return Provider(lambda: fa.flash_attn_func(q, k, v, causal=True),
+        return Timed(lambda: fa.flash_attn_func(q, k, v, causal=True),
                         env={"FLASH_ATTN_HUB_BACKEND": backend})
 
     def ours_train(backend):
         def call():
             out = fa.flash_attn_func(qg, kg, vg, causal=True)
             return torch.autograd.grad(out, (qg, kg, vg), dout)
-        return Provider(call, env={"FLASH_ATTN_HUB_BACKEND": backend})
+        return Timed(call, env={"FLASH_ATTN_HUB_BACKEND": backend})
 
     def sdpa(backend, train=False):
         def call():
@@ -191,7 +183,7 @@ def main() -> int:
             out = F.scaled_dot_product_attention(qtg, ktg, vtg, is_causal=sq == sk,
                                                  enable_gqa=hq != hkv)
             return torch.autograd.grad(out, (qtg, ktg, vtg), dout.transpose(1, 2))
-        return Provider(call, sdpa=backend)
+        return Timed(call, sdpa=backend)
 
     providers = {
         "ours-auto fwd": ours("auto"), "ours-cuda fwd": ours("cuda"),
@@ -230,7 +222,7 @@ def kvcache_main(fa, args) -> int:
                                                   cache_seqlens=seqlens, block_table=table)
             return fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
                                               cache_seqlens=seqlens)
-        return Provider(call, env={"FLASH_ATTN_HUB_CHECK_VALUES": "1" if checks else "0"})
+        return Timed(call, env={"FLASH_ATTN_HUB_CHECK_VALUES": "1" if checks else "0"})
 
     def sdpa(backend, append: bool = False):
         def call():
@@ -238,7 +230,7 @@ def kvcache_main(fa, args) -> int:
                 k_cache.index_copy_(1, position, k_new)
                 v_cache.index_copy_(1, position, v_new)
             return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=hq != hkv)
-        return Provider(call, sdpa=backend)
+        return Timed(call, sdpa=backend)
 
     providers = {
         "ours contiguous": ours(False, False), "ours page-16": ours(True, False),
