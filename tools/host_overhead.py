@@ -167,7 +167,7 @@ def main() -> int:
 
     def ours(backend):
         return Timed(lambda: fa.flash_attn_func(q, k, v, causal=True),
-                        env={"FLASH_ATTN_HUB_BACKEND": backend})
+                     env={"FLASH_ATTN_HUB_BACKEND": backend})
 
     def ours_train(backend):
         def call():
