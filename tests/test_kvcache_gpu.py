@@ -156,6 +156,47 @@ def test_gpu_decode_step_reuses_its_compiled_kernels_bitwise(flash_attn, monkeyp
             f"{name} differs between Triton's launch and the cached one")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size, num_splits, sink", [(None, 0, False), (None, 4, True),
+                                                          (16, 0, False), (16, 3, True)])
+def test_gpu_lane_matches_the_full_path_bitwise(flash_attn, monkeypatch, page_size, num_splits,
+                                                sink):
+    """[Note: lanes] in kvcache.py: a decode step through the full path (lanes off), then the
+    same step twice with lanes on, the second through the lane (no checks run). Output, lse
+    and caches come out bitwise equal, and the lane's output matches the oracle."""
+    monkeypatch.setenv("FLASH_ATTN_HUB_CHECK_VALUES", "0")
+    kvcache = submodule(flash_attn, "kvcache")
+    monkeypatch.setattr(kvcache, "_lanes", {})
+    checks, real = [], kvcache._checked_call
+    monkeypatch.setattr(kvcache, "_checked_call", lambda *a: checks.append(1) or real(*a))
+    case = Case(page_size=page_size, lengths=(1000, 17, 2500), heads=(32, 8), head_dim=128,
+                sink=sink, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    args, _ = build(case, "cuda")
+
+    def step():
+        caches = {name: _copy_layout(args[name]) for name in ("k_cache", "v_cache")}
+        out, lse = flash_attn.flash_attn_with_kvcache(**{**args, **caches},
+                                                      num_splits=num_splits,
+                                                      return_softmax_lse=True)
+        return out, lse, caches["k_cache"], caches["v_cache"]
+
+    monkeypatch.setattr(kvcache, "_LANE_DEVICES", ())
+    full = step()
+    assert not kvcache._lanes
+    monkeypatch.setattr(kvcache, "_LANE_DEVICES", ("cuda",))
+    step()
+    assert len(kvcache._lanes) == 1
+    checks.clear()
+    lane = step()
+    assert not checks, "the repeated call did not go through its lane"
+    for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), full, lane):
+        bits = {2: torch.int16, 4: torch.int32}[a.element_size()]  # (the caches hold NaN)
+        assert torch.equal(a.view(bits), b.view(bits)), f"{name}: the lane differs"
+    ref64, lowp = kvcache_reference(**args), kvcache_reference(**args, dtype=case.dtype)
+    assert_close_to_reference("out", lane[0], ref64["out"], lowp["out"])
+
+
 def _unaligned(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` (contiguous) whose data pointer is 2 bytes past a 16-byte boundary."""
     base = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)

@@ -192,6 +192,8 @@ def select_backend(direction: str, q, k, v, params: AttnParams, *, dout=None, va
 # backend's ``kvcache_forward`` or the Triton kernel's ``forward``. No compiled CUDA kernel
 # reads a paged cache yet, so ``cuda`` runs them on Triton (logged).
 _KVCACHE = {"cpu": ("_cpu", "kvcache_forward"), "triton": ("_triton.kvcache", "forward")}
+# Backends that can repeat a call shape's launches ([Note: kv-cache lane] in _triton/kvcache.py).
+_KVCACHE_LANES = {"triton": ("_triton.kvcache", "lane")}
 
 
 def _choose_kvcache(requested: str, q):
@@ -214,3 +216,12 @@ def select_kvcache_backend(q, *, paged: bool, varlen: bool):
         logger.info("flash_attn %s on %s: %s backend (%s)", kind, q.device.type, name, reason)
     module, function = _KVCACHE[name]
     return getattr(_import(module), function)
+
+
+def select_kvcache_lane(q):
+    """The function that makes a lane for a kv-cache call of ``q`` (``lane`` of
+    ``_triton.kvcache``) on the backend :func:`select_kvcache_backend` chooses, or None when
+    that backend has none."""
+    name, _ = _choose_kvcache(requested_backend(), q)
+    entry = _KVCACHE_LANES.get(name)
+    return None if entry is None else getattr(_import(entry[0]), entry[1])

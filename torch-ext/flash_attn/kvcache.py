@@ -479,9 +479,9 @@ def _call_key(tensors: tuple, scalars: tuple):
     return None if plain is None else (tuple(parts), plain)
 
 
-def _checked_call(tensors: tuple, scalars: tuple) -> _Call:
-    """:func:`_check_call` of ``tensors`` and ``scalars``, memoised ([Note: call memo])."""
-    key = _call_key(tensors, scalars)
+def _checked_call(tensors: tuple, scalars: tuple, key) -> _Call:
+    """:func:`_check_call` of ``tensors`` and ``scalars``, memoised under ``key`` (their
+    :func:`_call_key`; [Note: call memo])."""
     call = None if key is None else _calls.get(key)
     if call is None:
         call = _check_call(*tensors, *scalars)
@@ -490,6 +490,73 @@ def _checked_call(tensors: tuple, scalars: tuple) -> _Call:
                 _calls.clear()
             _calls[key] = call
     return call
+
+
+# [Note: lanes] A call shape whose checked call ran on a backend that can repeat its launches
+# (``_triton.kvcache``'s [Note: kv-cache lane]) keeps that backend's lane under its call key.
+# The next call with that key goes through the lane instead of the checks' conversions, the
+# dispatch, the op and the backend's launch path, when nothing they read differs:
+#
+# * the call memo's own conditions (plain tensors and scalars, not compiling: the key exists);
+# * the environment variables the full path reads (backend choice, value checks, poisoned
+#   outputs), as they were when the lane was made;
+# * no value check would run: ``FLASH_ATTN_HUB_CHECK_VALUES=0``, or a CUDA graph is being
+#   captured ([Note: value checks]); an eager call that checks values takes the full path;
+# * no torch-function or dispatch mode and no functorch transform (``_custom_ops._direct``).
+#
+# A lane is made only when every conversion of the full path was a no-op for the call
+# (``cache_seqlens`` a tensor, index vectors contiguous, float32 sinks, unit-stride table
+# rows), which the key's dtypes, shapes and strides then fix for every call with that key.
+# What the launches read besides (device, Triton's state, alignment) the lane checks itself,
+# returning None when the call must take the full path.
+_lanes: dict = {}
+_LANE_DEVICES = ("cuda",)
+_LANE_ENV = (_dispatch.ENV_BACKEND, ENV_CHECK_VALUES, _custom_ops.ENV_POISON)
+
+
+def _environment() -> tuple:
+    return tuple(map(os.environ.get, _LANE_ENV))
+
+
+# Whether a CUDA graph is being captured on the current stream (never, on a build without CUDA).
+_capturing = (torch.cuda.is_current_stream_capturing if torch.backends.cuda.is_built()
+              else (lambda: False))
+
+
+def _through_lane(key, tensors: tuple):
+    """``(out, lse)`` of the call through its lane ([Note: lanes]), or None."""
+    held = _lanes.get(key)
+    if held is None:
+        return None
+    environment, lane = held
+    if (_environment() != environment
+            or (environment[1] != "0" and not _capturing())
+            or _custom_ops._modes_or_transforms_active()):
+        return None
+    return lane(*tensors)
+
+
+def _keep_lane(key, tensors: tuple, converted: tuple, call: _Call, out: Tensor,
+               lse: Tensor) -> None:
+    """Makes and keeps the lane of a call that has just run ([Note: lanes])."""
+    if (key is None or key in _lanes or tensors[0].device.type not in _LANE_DEVICES
+            or any(a is not b for a, b in zip(tensors, converted))
+            or not _custom_ops._direct(tensors)):
+        return
+    make = _dispatch.select_kvcache_lane(tensors[0])
+    if make is None:
+        return
+    (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+     cache_leftpad, block_table, alibi_slopes, s_aux) = tensors
+    lane = make(q, k_cache, v_cache, out, lse, k=k, v=v, rotary_cos=rotary_cos,
+                rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
+                cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                block_table=block_table, alibi_slopes=alibi_slopes, s_aux=s_aux,
+                params=call.params, poison=os.environ.get(_custom_ops.ENV_POISON) == "1")
+    if lane is not None:
+        if len(_lanes) >= _MAX_CALLS:
+            _lanes.clear()
+        _lanes[key] = (_environment(), lane)
 
 
 # -- entry points --------------------------------------------------------------------------
@@ -541,11 +608,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Value checks (lengths against the capacity, block-table entries in range) run on CPU
     tensors and on eager CUDA calls; CUDA-graph capture skips them (module notes).
     """
-    call = _checked_call(
-        (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-         cache_leftpad, block_table, alibi_slopes, s_aux),
-        (softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
-         return_softmax_lse))
+    tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+               cache_batch_idx, cache_leftpad, block_table, alibi_slopes, s_aux)
+    scalars = (softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
+               return_softmax_lse)
+    key = _call_key(tensors, scalars)
+    if key is not None and key in _lanes:
+        result = _through_lane(key, tensors)
+        if result is not None:
+            return result if scalars[-1] else result[0]  # return_softmax_lse, plain (the key)
+    call = _checked_call(tensors, scalars, key)
     block_table = _unit_stride_rows(block_table)
     cache_seqlens = _seqlens_tensor(cache_seqlens, q, call.capacity)
     cache_batch_idx = None if cache_batch_idx is None else cache_batch_idx.contiguous()
@@ -561,6 +633,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                     rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
                     cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                     block_table=block_table, alibi_slopes=alibi_slopes, s_aux=s_aux)
+    if key is not None:
+        _keep_lane(key, tensors, (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                                  cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                                  alibi_slopes, s_aux), call, out, lse)
     return (out, lse) if call.return_lse else out
 
 

@@ -71,6 +71,8 @@ Splits are merged by ``common.combine_kernel`` ([Note: combining splits] there).
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
 
 import torch
 import triton
@@ -80,7 +82,8 @@ from .._heuristics import hopper_or_later, kvcache_splits
 from .._params import KvCacheParams
 from .common import (LOG2E, combine_launch, key_block_range, score_constants, scores_log2,
                      visible)
-from .launch import Bound, CachedLauncher
+from . import launch as _launch
+from .launch import Bound, CachedLauncher, alignment, triton_state
 from .tuning import block_d_for
 
 
@@ -605,3 +608,95 @@ def forward(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cach
                            alibi_slopes, s_aux, out, lse, o_part, lse_part)
     if plan.combine is not None:
         plan.combine[(plan.rows,)](o_part, lse_part, out, lse, s_aux)
+
+
+# [Note: kv-cache lane] A decode loop makes one call shape's launches again and again. Once a
+# call of a shape has run, :func:`lane` holds what its launches were (the plan, each kernel as
+# a :class:`~.launch.Ready`, the output shapes) so that the next calls of that shape allocate
+# their outputs and launch, and nothing else: no plan key, no launcher key, no Triton binder.
+# Its holder (``kvcache``'s call memo) checks what the Python API reads (the call shape, modes,
+# environment); the lane checks what the launches read besides ([Note: ready launches]): the
+# current device, Triton's state, each kernel still current, and its pointers' 16-byte
+# alignment. When any differs it returns None and the call takes the full path.
+
+
+class Lane:
+    """The launches of one ``flash_attn_with_kvcache`` call shape ([Note: kv-cache lane]):
+    ``lane(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+    cache_leftpad, block_table, alibi_slopes, s_aux)`` is ``(out, lse)``, or None when the call
+    must take the full path."""
+    __slots__ = ("device", "place", "state", "attend", "combine", "present", "aligned",
+                 "append", "grid", "rows", "scratch", "partials", "out_shape", "lse_shape",
+                 "dtype", "poison")
+
+    def __init__(self, **fields):
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    def __call__(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes, s_aux):
+        device = _launch.driver.active.get_current_device()
+        combine = self.combine
+        if (device != self.device or triton_state() != self.state or not self.attend.holds()
+                or (combine is not None and not combine.holds())):
+            return None
+        if not self.append:
+            k = v = None
+        inputs = (q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_leftpad,
+                  cache_batch_idx, None, None, rotary_cos, rotary_sin, alibi_slopes, s_aux)
+        if alignment(self.present(inputs)) != self.aligned:
+            return None
+        place = self.place
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=place)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=place)
+        if self.poison:
+            out.fill_(math.nan)
+            lse.fill_(math.nan)
+        if self.scratch:
+            o_part = torch.empty(self.scratch, dtype=torch.float32, device=place)
+            lse_part = o_part[self.partials:]
+        else:
+            o_part = lse_part = None
+        stream = _launch.driver.active.get_current_stream(device)
+        self.attend(*self.grid, stream, *inputs, out, lse, o_part, lse_part)
+        if combine is not None:
+            combine(self.rows, 1, 1, stream, o_part, lse_part, out, lse, s_aux)
+        return out, lse
+
+
+def lane(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cache_seqlens,
+         cache_batch_idx, cache_leftpad, block_table, alibi_slopes, s_aux,
+         params: KvCacheParams, poison: bool) -> Lane | None:
+    """The :class:`Lane` of a call that :func:`forward` has just run with these arguments (no
+    varlen, no tiles override), ``out``/``lse`` being its outputs as the caller allocated them
+    (``poison``: filled with NaN); None when its launches did not go through the cached
+    launchers or launched nothing."""
+    sizes = (q, k_cache, v_cache, out, lse, k, v, rotary_cos, rotary_sin, cache_batch_idx,
+             cache_leftpad, block_table, None, alibi_slopes, s_aux, params, None)
+    plan = _plans.get(_plan_key(*sizes))
+    state = triton_state()
+    if plan is None or state is None:
+        return None
+    if plan.scratch:
+        o_part = torch.empty(plan.scratch, device=q.device, dtype=torch.float32)
+        lse_part = o_part[plan.partials:]
+    else:
+        o_part = lse_part = None
+    if not plan.append:
+        k = v = None
+    inputs = (q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_leftpad,
+              cache_batch_idx, None, None, rotary_cos, rotary_sin, alibi_slopes, s_aux)
+    attend = plan.attend.launcher.ready(plan.attend, (*inputs, out, lse, o_part, lse_part))
+    combine = None
+    if plan.combine is not None:
+        combine = plan.combine.launcher.ready(plan.combine, (o_part, lse_part, out, lse, s_aux))
+    if attend is None or (plan.combine is not None and combine is None):
+        return None
+    slots = [i for i, t in enumerate(inputs) if t is not None]
+    present = (operator.itemgetter(*slots) if len(slots) > 1
+               else lambda seq, _i=slots[0]: (seq[_i],))
+    return Lane(device=_launch.driver.active.get_current_device(), place=q.device, state=state,
+                attend=attend, combine=combine, present=present,
+                aligned=alignment(present(inputs)), append=plan.append, grid=plan.grid,
+                rows=plan.rows, scratch=plan.scratch, partials=plan.partials,
+                out_shape=out.shape, lse_shape=lse.shape, dtype=out.dtype, poison=poison)

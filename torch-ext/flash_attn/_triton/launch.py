@@ -76,6 +76,12 @@ _low_bits = (15).__and__  # p -> p & 15
 _is_zero = (0).__eq__
 
 
+def alignment(tensors) -> tuple:
+    """For each tensor, whether its data pointer is 16-byte aligned (what Triton specialises
+    a pointer on)."""
+    return tuple(map(_is_zero, map(_low_bits, map(_data_ptr, tensors))))
+
+
 def _getter(positions):
     """A C-level function of a sequence returning the tuple of its items at ``positions``."""
     if len(positions) == 1:
@@ -153,9 +159,21 @@ class CachedLauncher:
         if not tensors or bound.tail is None or len(leading) != bound.tail[0]:
             return None
         pointers = tensors(leading)
-        return (bound.spec, types, tuple(map(_dtype, pointers)),
-                tuple(map(_is_zero, map(_low_bits, map(_data_ptr, pointers)))), device,
+        return (bound.spec, types, tuple(map(_dtype, pointers)), alignment(pointers), device,
                 self.fn.debug, knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+
+    def ready(self, bound: Bound, leading: tuple) -> Ready | None:
+        """The launch ``bound[grid](*leading)`` would make now through a cached kernel, held
+        for repeating ([Note: ready launches]); None when it would take Triton's path."""
+        fn = self.fn
+        if (bound.tail is None or fn.pre_run_hooks or triton_state() is None
+                or len(leading) != bound.tail[0]):
+            return None
+        key = self.key(bound, leading, driver.active.get_current_device())
+        entry = self._kernels.get(key) if key is not None else None
+        if entry is None or not entry.current(fn):
+            return None
+        return Ready(fn, entry, bound.tail[1])
 
     def launch(self, bound: Bound, grid, leading: tuple):
         key = None
@@ -202,6 +220,49 @@ class Bound:
 
     def _launch(self, grid, *leading):
         return self.launcher.launch(self, grid, leading)
+
+
+# [Note: ready launches] A caller that repeats one launch shape (the kv-cache lane,
+# ``_triton/kvcache.py``) can hold the launch itself instead of its :class:`Bound`: a
+# :class:`Ready` is a cached kernel with its trailing arguments, made by
+# :meth:`CachedLauncher.ready` from a launch that has just gone through the cache. It skips the
+# launcher key, so it holds only while the key's other parts stay as they were, which its
+# holder checks before each launch: the same current device and :func:`triton_state` (launch
+# hooks, debug knobs) as when it was made, leading arguments of the same types, dtypes and
+# 16-byte alignment, and :meth:`Ready.holds` (the kernel's source, the globals it read, its
+# debug flag, no pre-run hook). Anything else goes back to :meth:`CachedLauncher.launch`.
+
+
+def triton_state():
+    """What a launch reads of Triton's global state besides its kernel and arguments: the
+    debug and instrumentation knobs, or None while a launch hook is set (Triton's path)."""
+    runtime = knobs.runtime
+    if not (_no_hooks(runtime.launch_enter_hook) and _no_hooks(runtime.launch_exit_hook)):
+        return None
+    return runtime.debug, knobs.compilation.instrumentation_mode
+
+
+class Ready:
+    """A cached kernel's launch with everything but the grid, the stream and the leading
+    arguments fixed: ``ready(grid_x, grid_y, grid_z, stream, *leading)`` ([Note: ready
+    launches])."""
+    __slots__ = ("fn", "entry", "start", "prefix", "tail", "debug")
+
+    def __init__(self, fn, entry: _Entry, tail: tuple):
+        self.fn = fn
+        self.entry = entry
+        self.start = entry.start
+        self.prefix = entry.prefix
+        self.tail = tail
+        self.debug = fn.debug
+
+    def holds(self) -> bool:
+        """The kernel is still the one Triton would launch for these arguments."""
+        fn = self.fn
+        return not fn.pre_run_hooks and fn.debug == self.debug and self.entry.current(fn)
+
+    def __call__(self, grid_x: int, grid_y: int, grid_z: int, stream: int, *leading) -> None:
+        self.start(grid_x, grid_y, grid_z, stream, *self.prefix, *leading, *self.tail)
 
 
 class _Entry:
