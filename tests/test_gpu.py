@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers import assert_matches_reference, make_qkv, make_varlen_qkv, run_api
+from test_kvcache import Case, run_case
 
 pytestmark = pytest.mark.gpu
 
@@ -120,3 +121,25 @@ def test_decode_varlen_gqa_with_sinks(flash_attn, monkeypatch, backend):
                       causal=True, s_aux=s_aux)
     assert_matches_reference(ours, q, k, v, causal=True, s_aux=s_aux, cu_seqlens_q=cu_q,
                              cu_seqlens_k=cu_k)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_tensors_on_a_device_that_is_not_current(flash_attn, monkeypatch, backend):
+    """[Note: the launching device] in _custom_ops.py: with cuda:0 current, a forward and
+    backward on cuda:1 tensors and a kv-cache decode step there match the oracle, and the
+    current device stays cuda:0."""
+    monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", backend)
+    torch.cuda.set_device(0)
+    torch.manual_seed(11)
+    q, k, v = make_qkv(2, 300, 700, 16, 4, 128, dtype=torch.bfloat16, device="cuda:1",
+                       requires_grad=True)
+    ours, dout = run_api(flash_attn.flash_attn_func, q, k, v, causal=True)
+    assert torch.cuda.current_device() == 0
+    assert all(t.device == q.device for t in ours.values())
+    assert_matches_reference(ours, q, k, v, dout=dout, causal=True)
+    monkeypatch.setenv("FLASH_ATTN_HUB_CHECK_VALUES", "0")  # so that a lane can be taken
+    for _ in range(2):  # a repeated shape (off the current device no lane is made)
+        run_case(flash_attn, Case(page_size=16, lengths=(40, 7), heads=(16, 4), head_dim=128,
+                                  dtype=torch.bfloat16), device="cuda:1")
+        assert torch.cuda.current_device() == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import types
 
 import pytest
 import torch
@@ -248,6 +249,18 @@ def test_direct_path_declines_subclasses_and_transforms(ops):
         assert not ops._direct((plain,))
     assert torch.func.vmap(lambda x: torch.tensor(ops._direct((x,))).expand(x.shape))(
         torch.zeros(3, 2)).logical_not().all()
+
+
+def test_backends_run_on_the_tensors_device(ops, monkeypatch):
+    """[Note: the launching device]: a CUDA tensor off the current device gets a guard that
+    makes its device current; one on it, or on the CPU, none (the GPU side runs in
+    test_gpu.py with two devices)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    elsewhere = types.SimpleNamespace(device=torch.device("cuda", 1))
+    guard = ops._on_device_of(elsewhere)
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    for device in (torch.device("cuda", 0), torch.device("cpu")):
+        assert ops._on_device_of(types.SimpleNamespace(device=device)) is ops._NO_GUARD
 
 
 @pytest.mark.kernels_ci

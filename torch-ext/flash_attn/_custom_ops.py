@@ -23,6 +23,7 @@ Outputs come from :func:`_new_output`: uninitialised memory, or NaN when the env
 up as NaN instead of a plausible stale value.
 """
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -47,6 +48,24 @@ def _new_output(shape, dtype, device) -> Tensor:
     if os.environ.get(ENV_POISON) == "1":
         t.fill_(math.nan)
     return t
+
+
+# [Note: the launching device] Triton launches a kernel on the current CUDA device and its
+# current stream, whatever device the tensors are on. A model spread over several GPUs
+# (transformers' ``device_map="auto"``) calls layers on ``cuda:1`` while ``cuda:0`` stays
+# current, so every backend runs inside :func:`_on_device_of`, which makes the tensors' device
+# current for the call (as the compiled ops' own device guard does).
+_NO_GUARD = contextlib.nullcontext()
+
+
+def _on_device_of(t: Tensor):
+    """A context in which ``t``'s CUDA device is the current one ([Note: the launching
+    device])."""
+    device = t.device
+    index = device.index
+    if index is None or device.type != "cuda" or index == torch.cuda.current_device():
+        return _NO_GUARD
+    return torch.cuda.device(index)
 
 
 # [Note: rows past the last sequence] A varlen call may hand q (k, v) more rows than its last
@@ -111,8 +130,9 @@ def _fwd_body(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
     if q.numel() == 0:
         return out, lse
     forward = _select("forward", q, k, v, cu_seqlens_q, s_aux, alibi_slopes, params)
-    forward(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            s_aux=s_aux, alibi_slopes=alibi_slopes, params=params)
+    with _on_device_of(q):
+        forward(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                s_aux=s_aux, alibi_slopes=alibi_slopes, params=params)
     _clear_rows_past(cu_seqlens_q, [(out, 0, 0.0), (lse, 1, -math.inf)])
     return out, lse
 
@@ -150,9 +170,10 @@ def _bwd_body(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     backward = _select("backward", q, k, v, cu_seqlens_q, s_aux, alibi_slopes, params, dout)
-    backward(dout, q, k, v, out, lse, dq, dk, dv, None if s_aux is None else ds_aux,
-             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, s_aux=s_aux,
-             alibi_slopes=alibi_slopes, params=params)
+    with _on_device_of(q):
+        backward(dout, q, k, v, out, lse, dq, dk, dv, None if s_aux is None else ds_aux,
+                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, s_aux=s_aux,
+                 alibi_slopes=alibi_slopes, params=params)
     _clear_rows_past(cu_seqlens_q, [(dq, 0, 0.0)])
     _clear_rows_past(cu_seqlens_k, [(dk, 0, 0.0), (dv, 0, 0.0)])
     return dq, dk, dv, ds_aux

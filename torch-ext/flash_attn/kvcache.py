@@ -93,10 +93,12 @@ def _body_with_params(params: KvCacheParams, q, k_cache, v_cache, k, v, rotary_c
         return out, lse
     forward = _dispatch.select_kvcache_backend(q, paged=block_table is not None,
                                                varlen=cu_seqlens_q is not None)
-    forward(q, k_cache, v_cache, out, lse, k=k, v=v, rotary_cos=rotary_cos,
-            rotary_sin=rotary_sin, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
-            cache_leftpad=cache_leftpad, block_table=block_table, cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes, s_aux=s_aux, params=params)
+    with _custom_ops._on_device_of(q):
+        forward(q, k_cache, v_cache, out, lse, k=k, v=v, rotary_cos=rotary_cos,
+                rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
+                cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                block_table=block_table, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                alibi_slopes=alibi_slopes, s_aux=s_aux, params=params)
     return out, lse
 
 

@@ -675,8 +675,9 @@ def lane(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cache_s
              cache_leftpad, block_table, None, alibi_slopes, s_aux, params, None)
     plan = _plans.get(_plan_key(*sizes))
     state = triton_state()
-    if plan is None or state is None:
-        return None
+    device = _launch.driver.active.get_current_device()
+    if plan is None or state is None or q.device.index not in (None, device):
+        return None  # (on another device than the current one, the full path guards it)
     if plan.scratch:
         o_part = torch.empty(plan.scratch, device=q.device, dtype=torch.float32)
         lse_part = o_part[plan.partials:]
@@ -695,8 +696,7 @@ def lane(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cache_s
     slots = [i for i, t in enumerate(inputs) if t is not None]
     present = (operator.itemgetter(*slots) if len(slots) > 1
                else lambda seq, _i=slots[0]: (seq[_i],))
-    return Lane(device=_launch.driver.active.get_current_device(), place=q.device, state=state,
-                attend=attend, combine=combine, present=present,
-                aligned=alignment(present(inputs)), append=plan.append, grid=plan.grid,
-                rows=plan.rows, scratch=plan.scratch, partials=plan.partials,
+    return Lane(device=device, place=q.device, state=state, attend=attend, combine=combine,
+                present=present, aligned=alignment(present(inputs)), append=plan.append,
+                grid=plan.grid, rows=plan.rows, scratch=plan.scratch, partials=plan.partials,
                 out_shape=out.shape, lse_shape=lse.shape, dtype=out.dtype, poison=poison)
