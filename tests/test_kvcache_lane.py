@@ -90,12 +90,31 @@ def lanes(flash_attn, monkeypatch):
 
 
 def _described(launch_args: tuple, inputs: dict) -> tuple:
-    """A launch's arguments with each tensor as the caller's argument it is (by name), or,
-    for a tensor the call made, its shape, strides, dtype and 16-byte alignment."""
-    names = {id(t): name for name, t in inputs.items() if isinstance(t, torch.Tensor)}
-    return tuple((names[id(a)] if id(a) in names else
-                  ("new", tuple(a.shape), a.stride(), a.dtype, a.data_ptr() % 16 == 0))
-                 if isinstance(a, torch.Tensor) else a for a in launch_args)
+    """A launch's arguments with each pointer (a tensor, or an int address as the lane passes
+    it) as the caller's argument it points to (by name), or, for memory the call allocated,
+    ``("new", 16-byte aligned)``. Ints that are no address stay as they are."""
+    names = {t.data_ptr(): name for name, t in inputs.items()
+             if isinstance(t, torch.Tensor) and t.numel()}
+    described = []
+    for a in launch_args:
+        if isinstance(a, torch.Tensor):
+            a = a.data_ptr()
+        if isinstance(a, int) and not isinstance(a, bool) and a > 1 << 20:  # an address
+            a = names.get(a, ("new", a % 16 == 0))
+        described.append(a)
+    return tuple(described)
+
+
+LEADING = 13  # the compiled launch's arguments before the kernel's own
+INPUTS = 15  # _attend_kernel's pointer parameters before out, lse and the partials
+
+
+def _partials_lse_offset(launch_args: tuple):
+    """The attention launch's partial lse address minus its partial outputs' (None: no
+    split)."""
+    o_part, lse_part = (a.data_ptr() if isinstance(a, torch.Tensor) else a
+                        for a in launch_args[LEADING + INPUTS + 2:LEADING + INPUTS + 4])
+    return None if o_part is None else lse_part - o_part
 
 
 # (case, num_splits): long enough caches that the splits asked for are taken.
@@ -132,6 +151,7 @@ def test_lane_launches_what_the_full_path_launches(flash_attn, lanes, monkeypatc
     lanes.launches.clear()
     _call(flash_attn, args, splits)
     full = [_described(a, args) for a in lanes.launches]
+    offset = _partials_lse_offset(lanes.launches[0])
     assert len(full) == (2 if splits > 1 and case.seqlen_q else 1)
     assert not lanes.kvcache._lanes
     monkeypatch.setattr(lanes.kvcache, "_LANE_DEVICES", ("cpu",))
@@ -143,8 +163,9 @@ def test_lane_launches_what_the_full_path_launches(flash_attn, lanes, monkeypatc
     out, lse = _call(flash_attn, args, splits)
     assert not lanes.checks and not lanes.compiles  # through the lane
     assert [_described(a, args) for a in lanes.launches] == full
-    attend_out, attend_lse = lanes.launches[0][13 + 15:13 + 17]  # after the 15 inputs
-    assert attend_out is out and attend_lse is lse
+    assert _partials_lse_offset(lanes.launches[0]) == offset
+    attend_out, attend_lse = lanes.launches[0][LEADING + INPUTS:LEADING + INPUTS + 2]
+    assert (attend_out, attend_lse) == (out.data_ptr(), lse.data_ptr())
     assert out.shape == args["q"].shape and lse.dtype == torch.float32
 
 

@@ -83,7 +83,7 @@ from .._params import KvCacheParams
 from .common import (LOG2E, combine_launch, key_block_range, score_constants, scores_log2,
                      visible)
 from . import launch as _launch
-from .launch import Bound, CachedLauncher, alignment, triton_state
+from .launch import Bound, CachedLauncher, alignment, pointer_alignment, triton_state
 from .tuning import block_d_for
 
 
@@ -618,6 +618,16 @@ def forward(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cach
 # environment); the lane checks what the launches read besides ([Note: ready launches]): the
 # current device, Triton's state, each kernel still current, and its pointers' 16-byte
 # alignment. When any differs it returns None and the call takes the full path.
+#
+# The lane hands the compiled launchers each pointer as an int, which they take as it is:
+# a tensor would cost them a ``data_ptr()`` call and a driver query of the address per
+# pointer, and the lane has read every pointer already for its alignment check. The call key
+# has already placed every tensor on the launch's device (the full path's checks), and the
+# partials' lse is an address inside the partials' buffer, not a view of it.
+
+
+def _pointer(t):
+    return None if t is None else t.data_ptr()
 
 
 class Lane:
@@ -626,8 +636,8 @@ class Lane:
     cache_leftpad, block_table, alibi_slopes, s_aux)`` is ``(out, lse)``, or None when the call
     must take the full path."""
     __slots__ = ("device", "place", "state", "attend", "combine", "present", "aligned",
-                 "append", "grid", "rows", "scratch", "partials", "out_shape", "lse_shape",
-                 "dtype", "poison")
+                 "append", "grid", "rows", "scratch", "lse_offset", "out_like_q", "out_shape",
+                 "lse_shape", "dtype", "poison")
 
     def __init__(self, **fields):
         for name, value in fields.items():
@@ -642,25 +652,29 @@ class Lane:
             return None
         if not self.append:
             k = v = None
-        inputs = (q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_leftpad,
-                  cache_batch_idx, None, None, rotary_cos, rotary_sin, alibi_slopes, s_aux)
-        if alignment(self.present(inputs)) != self.aligned:
+        pointers = tuple(map(_pointer, (q, k_cache, v_cache, k, v, block_table, cache_seqlens,
+                                        cache_leftpad, cache_batch_idx, None, None, rotary_cos,
+                                        rotary_sin, alibi_slopes, s_aux)))
+        if pointer_alignment(self.present(pointers)) != self.aligned:
             return None
         place = self.place
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=place)
+        out = (torch.empty_like(q) if self.out_like_q
+               else torch.empty(self.out_shape, dtype=self.dtype, device=place))
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=place)
         if self.poison:
             out.fill_(math.nan)
             lse.fill_(math.nan)
         if self.scratch:
-            o_part = torch.empty(self.scratch, dtype=torch.float32, device=place)
-            lse_part = o_part[self.partials:]
+            partials = torch.empty(self.scratch, dtype=torch.float32, device=place)
+            o_part = partials.data_ptr()
+            lse_part = o_part + self.lse_offset
         else:
             o_part = lse_part = None
+        out_ptr, lse_ptr = out.data_ptr(), lse.data_ptr()
         stream = _launch.driver.active.get_current_stream(device)
-        self.attend(*self.grid, stream, *inputs, out, lse, o_part, lse_part)
+        self.attend(*self.grid, stream, *pointers, out_ptr, lse_ptr, o_part, lse_part)
         if combine is not None:
-            combine(self.rows, 1, 1, stream, o_part, lse_part, out, lse, s_aux)
+            combine(self.rows, 1, 1, stream, o_part, lse_part, out_ptr, lse_ptr, pointers[-1])
         return out, lse
 
 
@@ -698,5 +712,8 @@ def lane(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cache_s
                else lambda seq, _i=slots[0]: (seq[_i],))
     return Lane(device=device, place=q.device, state=state, attend=attend, combine=combine,
                 present=present, aligned=alignment(present(inputs)), append=plan.append,
-                grid=plan.grid, rows=plan.rows, scratch=plan.scratch, partials=plan.partials,
+                grid=plan.grid, rows=plan.rows, scratch=plan.scratch,
+                lse_offset=plan.partials * 4,  # bytes: the partials are float32
+                out_like_q=out.shape == q.shape and out.stride() == q.stride()
+                and out.dtype == q.dtype and out.device == q.device,
                 out_shape=out.shape, lse_shape=lse.shape, dtype=out.dtype, poison=poison)

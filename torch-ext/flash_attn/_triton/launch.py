@@ -79,7 +79,12 @@ _is_zero = (0).__eq__
 def alignment(tensors) -> tuple:
     """For each tensor, whether its data pointer is 16-byte aligned (what Triton specialises
     a pointer on)."""
-    return tuple(map(_is_zero, map(_low_bits, map(_data_ptr, tensors))))
+    return pointer_alignment(map(_data_ptr, tensors))
+
+
+def pointer_alignment(pointers) -> tuple:
+    """For each data pointer (an int), whether it is 16-byte aligned."""
+    return tuple(map(_is_zero, map(_low_bits, pointers)))
 
 
 def _getter(positions):
