@@ -197,6 +197,32 @@ def test_gpu_lane_matches_the_full_path_bitwise(flash_attn, monkeypatch, page_si
     assert_close_to_reference("out", lane[0], ref64["out"], lowp["out"])
 
 
+@pytest.mark.gpu
+@pytest.mark.sanitize
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_gpu_sanitize_decode_steps(flash_attn, monkeypatch, page_size):
+    """A small decode step with split keys and sinks, through the full path and then the lane
+    (the set compute-sanitizer runs on the kv-cache kernels); the oracle runs on the CPU, so
+    that no cuBLAS kernel is in the run."""
+    monkeypatch.setenv("FLASH_ATTN_HUB_CHECK_VALUES", "0")
+    kvcache = submodule(flash_attn, "kvcache")
+    monkeypatch.setattr(kvcache, "_lanes", {})
+    case = Case(page_size=page_size, lengths=(300, 17, -1), heads=(8, 2), head_dim=128,
+                sink=True, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    args, _ = build(case, "cpu")
+    ref64, lowp = kvcache_reference(**args), kvcache_reference(**args, dtype=case.dtype)
+    on_gpu = {name: value.cuda() if isinstance(value, torch.Tensor) else value
+              for name, value in args.items()}
+    for _ in range(2):  # the second call goes through the lane the first made
+        out = flash_attn.flash_attn_with_kvcache(**{**on_gpu,
+                                                    "k_cache": on_gpu["k_cache"].clone(),
+                                                    "v_cache": on_gpu["v_cache"].clone()},
+                                                 num_splits=3)
+        assert_close_to_reference("out", out.cpu(), ref64["out"], lowp["out"])
+    assert len(kvcache._lanes) == 1
+
+
 def _unaligned(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` (contiguous) whose data pointer is 2 bytes past a 16-byte boundary."""
     base = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)
