@@ -70,7 +70,8 @@ class _Recorder:
 
 
 def _compile(fn: JITFunction, args, kwargs, arch: int):
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl")
+               if k in kwargs}
     values = dict(zip(fn.arg_names, args), **kwargs)
     signature, constants, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
@@ -137,6 +138,14 @@ def check(label: str, arch: int) -> list[str]:
             problems.append(f"{name}: {compiled.metadata.shared} B of shared memory")
         if name == "_attend_kernel" and _stack_bytes(compiled):
             problems.append(f"{name}: a {_stack_bytes(compiled)} B stack frame (spills)")
+        # [Note: dependent combine]: on sm90 the combine waits for the attention kernel,
+        # which lets it launch; sm80 has neither
+        expected = {"_attend_kernel": "griddepcontrol.launch_dependents",
+                    "combine_kernel": "griddepcontrol.wait"}[name]
+        if (expected in compiled.asm["ptx"]) != (arch >= 90):
+            problems.append(f"{name}: {expected} {'missing' if arch >= 90 else 'on sm80'}")
+        if name == "combine_kernel" and compiled.metadata.launch_pdl != (arch >= 90):
+            problems.append(f"{name}: launch_pdl {compiled.metadata.launch_pdl}")
     return problems
 
 

@@ -77,6 +77,7 @@ import operator
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from .._heuristics import hopper_or_later, kvcache_splits
 from .._params import KvCacheParams
@@ -304,7 +305,7 @@ def _attend_kernel(
         APPEND: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
         ROTARY_PER_ROW: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr,
         HAS_WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-        HAS_SINK: tl.constexpr, SPLIT: tl.constexpr):
+        HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
     # (kv head, row block) on the first axis, which has no 65535 limit: long prefills have many
     # row blocks.
     kv_head = tl.program_id(0) // row_blocks
@@ -441,6 +442,8 @@ def _attend_kernel(
                                           HAS_ALIBI, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
 
     tokens = token0 + rows
+    if PDL:  # the combine may launch now ([Note: dependent combine] in common)
+        gdc_launch_dependents()
     if SPLIT:
         has_mass = l_i > 0.0
         l_safe = tl.where(has_mass, l_i, 1.0)
@@ -496,6 +499,7 @@ class _Plan:
 # that changes one starts from an empty ``_plans``.
 _plans: dict = {}
 _MAX_PLANS = 256
+PDL_COMBINE = True  # [Note: dependent combine] in ``common``; off, the combine waits in order
 _attend = CachedLauncher(_attend_kernel)
 
 
@@ -538,6 +542,8 @@ def _make_plan(q, k_cache, v_cache, out, lse, k, v, rotary_cos, rotary_sin, cach
     if tokens == 0:
         splits = 1  # nothing to combine
     block_d = block_d_for(head_dim)
+    # [Note: dependent combine] (common): sm90+ launches the combine as a dependent launch
+    pdl = PDL_COMBINE and splits > 1 and hopper_or_later(q.device)
     new = new_key_tiles(k.shape[1] if append else 0, block_d, rotary_cos is not None, cfg)
     qk_scale, softcap_log2 = score_constants(params.softmax_scale, params.softcap)
     rotary_dim = 0 if rotary_cos is None else 2 * rotary_cos.shape[1]
@@ -564,7 +570,7 @@ def _make_plan(q, k_cache, v_cache, out, lse, k, v, rotary_cos, rotary_sin, cach
         ROTARY_INTERLEAVED=params.rotary_interleaved, ROTARY_PER_ROW=params.rotary_per_row,
         HAS_WINDOW_LEFT=params.window_left >= 0, HAS_WINDOW_RIGHT=params.window_right >= 0,
         SOFTCAP=params.softcap > 0, HAS_ALIBI=alibi_slopes is not None,
-        HAS_SINK=s_aux is not None, SPLIT=splits > 1,
+        HAS_SINK=s_aux is not None, SPLIT=splits > 1, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     partials = tokens * heads_q * splits if splits > 1 else 0
     combine = None
@@ -572,7 +578,7 @@ def _make_plan(q, k_cache, v_cache, out, lse, k, v, rotary_cos, rotary_sin, cach
         combine = combine_launch(o_strides=o_strides, l_strides=l_strides,
                                  seqlen_q_batched=0 if varlen else q.shape[1], heads_q=heads_q,
                                  splits=splits, head_dim=head_dim, varlen=varlen,
-                                 sink=s_aux is not None)
+                                 sink=s_aux is not None, pdl=pdl)
     return _Plan(grid=(heads_kv * row_blocks, splits, batch), attend=attend, append=append,
                  scratch=partials * (head_dim + 1), partials=partials * head_dim,
                  combine=combine, rows=tokens * heads_q)

@@ -64,7 +64,7 @@ from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
 # Launch options a call may pass besides the kernel's parameters (others take Triton's path).
-OPTIONS = frozenset(("num_warps", "num_stages", "num_ctas", "maxnreg"))
+OPTIONS = frozenset(("num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl"))
 MAX_ENTRIES = 256
 
 _SCALARS = frozenset((int, bool, float, type(None)))
