@@ -135,38 +135,50 @@ LANE_CASES = {
 }
 
 
-def _call(fa, args: dict, splits: int):
-    return fa.flash_attn_with_kvcache(**args, num_splits=splits, return_softmax_lse=True)
+def _call(fa, args: dict, splits: int, return_lse: bool = True):
+    result = fa.flash_attn_with_kvcache(**args, num_splits=splits,
+                                        return_softmax_lse=return_lse)
+    return result if return_lse else (result, None)
 
 
+@pytest.mark.parametrize("return_lse", [True, False], ids=["lse", "out"])
 @pytest.mark.parametrize("name", list(LANE_CASES))
-def test_lane_launches_what_the_full_path_launches(flash_attn, lanes, monkeypatch, name):
+def test_lane_launches_what_the_full_path_launches(flash_attn, lanes, monkeypatch, name,
+                                                   return_lse):
+    """Without ``return_softmax_lse`` a split call's lane keeps lse in the partials' buffer
+    (16-byte aligned, as a fresh allocation is): the same launches but for that address."""
     case, splits = LANE_CASES[name]
     torch.manual_seed(0)
     args, _ = build(case, "cpu")
     if name == "zero_new_keys_given":  # k and v with no rows: nothing to append
         args.update(k=args["k"][:, :0], v=args["v"][:, :0])
     monkeypatch.setattr(lanes.kvcache, "_LANE_DEVICES", ())  # no lane: the full path
-    _call(flash_attn, args, splits)
+    _call(flash_attn, args, splits, return_lse)
     lanes.launches.clear()
-    _call(flash_attn, args, splits)
+    _call(flash_attn, args, splits, return_lse)
     full = [_described(a, args) for a in lanes.launches]
     offset = _partials_lse_offset(lanes.launches[0])
     assert len(full) == (2 if splits > 1 and case.seqlen_q else 1)
     assert not lanes.kvcache._lanes
     monkeypatch.setattr(lanes.kvcache, "_LANE_DEVICES", ("cpu",))
-    _call(flash_attn, args, splits)  # the full path, which makes the lane
+    _call(flash_attn, args, splits, return_lse)  # the full path, which makes the lane
     assert len(lanes.kvcache._lanes) == 1
     lanes.launches.clear()
     lanes.checks.clear()
     lanes.compiles.clear()
-    out, lse = _call(flash_attn, args, splits)
+    out, lse = _call(flash_attn, args, splits, return_lse)
     assert not lanes.checks and not lanes.compiles  # through the lane
     assert [_described(a, args) for a in lanes.launches] == full
     assert _partials_lse_offset(lanes.launches[0]) == offset
     attend_out, attend_lse = lanes.launches[0][LEADING + INPUTS:LEADING + INPUTS + 2]
-    assert (attend_out, attend_lse) == (out.data_ptr(), lse.data_ptr())
-    assert out.shape == args["q"].shape and lse.dtype == torch.float32
+    assert attend_out == out.data_ptr() and out.shape == args["q"].shape
+    if return_lse:
+        assert attend_lse == lse.data_ptr() and lse.dtype == torch.float32
+    else:
+        assert lse is None
+        if offset is not None:  # in the partials' buffer, past the partials' lse
+            o_part = lanes.launches[0][LEADING + INPUTS + 2]
+            assert attend_lse % 16 == 0 and attend_lse >= o_part + offset
 
 
 def _unaligned(t: torch.Tensor) -> torch.Tensor:

@@ -554,7 +554,8 @@ def _keep_lane(key, tensors: tuple, converted: tuple, call: _Call, out: Tensor,
                 rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
                 cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                 block_table=block_table, alibi_slopes=alibi_slopes, s_aux=s_aux,
-                params=call.params, poison=os.environ.get(_custom_ops.ENV_POISON) == "1")
+                params=call.params, poison=os.environ.get(_custom_ops.ENV_POISON) == "1",
+                return_lse=call.return_lse)
     if lane is not None:
         if len(_lanes) >= _MAX_CALLS:
             _lanes.clear()

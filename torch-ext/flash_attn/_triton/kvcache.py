@@ -642,8 +642,8 @@ class Lane:
     cache_leftpad, block_table, alibi_slopes, s_aux)`` is ``(out, lse)``, or None when the call
     must take the full path."""
     __slots__ = ("device", "place", "state", "attend", "combine", "present", "aligned",
-                 "append", "grid", "rows", "scratch", "lse_offset", "out_like_q", "out_shape",
-                 "lse_shape", "dtype", "poison")
+                 "append", "grid", "rows", "scratch", "lse_offset", "lse_inside", "out_like_q",
+                 "out_shape", "lse_shape", "dtype", "poison")
 
     def __init__(self, **fields):
         for name, value in fields.items():
@@ -666,17 +666,22 @@ class Lane:
         place = self.place
         out = (torch.empty_like(q) if self.out_like_q
                else torch.empty(self.out_shape, dtype=self.dtype, device=place))
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=place)
         if self.poison:
             out.fill_(math.nan)
-            lse.fill_(math.nan)
         if self.scratch:
             partials = torch.empty(self.scratch, dtype=torch.float32, device=place)
             o_part = partials.data_ptr()
             lse_part = o_part + self.lse_offset
         else:
             o_part = lse_part = None
-        out_ptr, lse_ptr = out.data_ptr(), lse.data_ptr()
+        if self.lse_inside:  # an lse nobody returns: scratch past the partials
+            lse, lse_ptr = None, o_part + self.lse_inside
+        else:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=place)
+            if self.poison:
+                lse.fill_(math.nan)
+            lse_ptr = lse.data_ptr()
+        out_ptr = out.data_ptr()
         stream = _launch.driver.active.get_current_stream(device)
         self.attend(*self.grid, stream, *pointers, out_ptr, lse_ptr, o_part, lse_part)
         if combine is not None:
@@ -686,11 +691,12 @@ class Lane:
 
 def lane(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cache_seqlens,
          cache_batch_idx, cache_leftpad, block_table, alibi_slopes, s_aux,
-         params: KvCacheParams, poison: bool) -> Lane | None:
+         params: KvCacheParams, poison: bool, return_lse: bool) -> Lane | None:
     """The :class:`Lane` of a call that :func:`forward` has just run with these arguments (no
     varlen, no tiles override), ``out``/``lse`` being its outputs as the caller allocated them
-    (``poison``: filled with NaN); None when its launches did not go through the cached
-    launchers or launched nothing."""
+    (``poison``: filled with NaN; without ``return_lse`` the caller returns no lse, so the lane
+    may keep it in scratch memory and return None for it); None when its launches did not go
+    through the cached launchers or launched nothing."""
     sizes = (q, k_cache, v_cache, out, lse, k, v, rotary_cos, rotary_sin, cache_batch_idx,
              cache_leftpad, block_table, None, alibi_slopes, s_aux, params, None)
     plan = _plans.get(_plan_key(*sizes))
@@ -713,13 +719,19 @@ def lane(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cache_s
         combine = plan.combine.launcher.ready(plan.combine, (o_part, lse_part, out, lse, s_aux))
     if attend is None or (plan.combine is not None and combine is None):
         return None
+    lse_inside = 0  # or the unreturned lse's byte offset in the partials' buffer (16-aligned)
+    scratch = plan.scratch
+    if plan.scratch and not return_lse and lse.is_contiguous():
+        lse_inside = -(-plan.scratch * 4 // 16) * 16
+        scratch = lse_inside // 4 + lse.numel()
     slots = [i for i, t in enumerate(inputs) if t is not None]
     present = (operator.itemgetter(*slots) if len(slots) > 1
                else lambda seq, _i=slots[0]: (seq[_i],))
     return Lane(device=device, place=q.device, state=state, attend=attend, combine=combine,
                 present=present, aligned=alignment(present(inputs)), append=plan.append,
-                grid=plan.grid, rows=plan.rows, scratch=plan.scratch,
+                grid=plan.grid, rows=plan.rows, scratch=scratch,
                 lse_offset=plan.partials * 4,  # bytes: the partials are float32
+                lse_inside=lse_inside,
                 out_like_q=out.shape == q.shape and out.stride() == q.stride()
                 and out.dtype == q.dtype and out.device == q.device,
                 out_shape=out.shape, lse_shape=lse.shape, dtype=out.dtype, poison=poison)
