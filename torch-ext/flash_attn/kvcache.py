@@ -525,11 +525,9 @@ _capturing = (torch.cuda.is_current_stream_capturing if torch.backends.cuda.is_b
               else (lambda: False))
 
 
-def _through_lane(key, tensors: tuple):
-    """``(out, lse)`` of the call through its lane ([Note: lanes]), or None."""
-    held = _lanes.get(key)
-    if held is None:
-        return None
+def _through_lane(held: tuple, tensors: tuple):
+    """``(out, lse)`` of the call through ``held``, its key's ``(environment, lane)`` in
+    ``_lanes`` ([Note: lanes]), or None."""
     environment, lane = held
     if (_environment() != environment
             or (environment[1] != "0" and not _capturing())
@@ -616,8 +614,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     scalars = (softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
                return_softmax_lse)
     key = _call_key(tensors, scalars)
-    if key is not None and key in _lanes:
-        result = _through_lane(key, tensors)
+    held = None if key is None else _lanes.get(key)
+    if held is not None:
+        result = _through_lane(held, tensors)
         if result is not None:
             return result if scalars[-1] else result[0]  # return_softmax_lse, plain (the key)
     call = _checked_call(tensors, scalars, key)
