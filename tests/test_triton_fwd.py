@@ -648,7 +648,8 @@ for arch, head_dim, rows in ((90, 64, 64), (90, 128, 16), (90, 128, 64), (90, 25
     common = importlib.import_module("fa_compile._triton.common")
     compile_for(common.combine_kernel,
                 dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=common.COMBINE_BLOCK_S,
-                     IS_VARLEN=True, HAS_SINK=True), arch, 4, 1, f"split combine D={head_dim}")
+                     IS_VARLEN=True, HAS_SINK=True, PDL=False),  # the decode path's combine
+                arch, 4, 1, f"split combine D={head_dim}")
 """
 
 
