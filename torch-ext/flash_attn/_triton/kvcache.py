@@ -584,6 +584,15 @@ def _make_plan(q, k_cache, v_cache, out, lse, k, v, rotary_cos, rotary_sin, cach
                  combine=combine, rows=tokens * heads_q)
 
 
+def _partials(plan: _Plan, device) -> tuple:
+    """``(o_part, lse_part)``, the split partials of a launch of ``plan`` in one allocation
+    (the partial outputs, then their lse), or ``(None, None)`` with one split."""
+    if not plan.scratch:
+        return None, None
+    o_part = torch.empty(plan.scratch, device=device, dtype=torch.float32)
+    return o_part, o_part[plan.partials:]
+
+
 def forward(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cache_seqlens,
             cache_batch_idx, cache_leftpad, block_table, cu_seqlens_q, cu_seqlens_k,
             alibi_slopes, s_aux, params: KvCacheParams, tiles: KvTiles | None = None) -> None:
@@ -602,11 +611,7 @@ def forward(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cach
         plan = _plans[key] = _make_plan(*sizes)
     if plan is None:
         return
-    if plan.scratch:  # one allocation for both: the partial outputs, then their lse
-        o_part = torch.empty(plan.scratch, device=q.device, dtype=torch.float32)
-        lse_part = o_part[plan.partials:]
-    else:
-        o_part = lse_part = None
+    o_part, lse_part = _partials(plan, q.device)
     if not plan.append:
         k = v = None
     plan.attend[plan.grid](q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_leftpad,
@@ -704,11 +709,7 @@ def lane(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cache_s
     device = _launch.driver.active.get_current_device()
     if plan is None or state is None or q.device.index not in (None, device):
         return None  # (on another device than the current one, the full path guards it)
-    if plan.scratch:
-        o_part = torch.empty(plan.scratch, device=q.device, dtype=torch.float32)
-        lse_part = o_part[plan.partials:]
-    else:
-        o_part = lse_part = None
+    o_part, lse_part = _partials(plan, q.device)
     if not plan.append:
         k = v = None
     inputs = (q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_leftpad,
