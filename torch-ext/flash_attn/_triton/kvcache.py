@@ -644,8 +644,8 @@ def _pointer(t):
 class Lane:
     """The launches of one ``flash_attn_with_kvcache`` call shape ([Note: kv-cache lane]):
     ``lane(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-    cache_leftpad, block_table, alibi_slopes, s_aux)`` is ``(out, lse)``, or None when the call
-    must take the full path."""
+    cache_leftpad, block_table, alibi_slopes, s_aux)`` is ``(out, lse)`` (lse None when the
+    lane keeps it in scratch memory), or None when the call must take the full path."""
     __slots__ = ("device", "place", "state", "attend", "combine", "present", "aligned",
                  "append", "grid", "rows", "scratch", "lse_offset", "lse_inside", "out_like_q",
                  "out_shape", "lse_shape", "dtype", "poison")
@@ -725,9 +725,8 @@ def lane(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cache_s
     if plan.scratch and not return_lse and lse.is_contiguous():
         lse_inside = -(-plan.scratch * 4 // 16) * 16
         scratch = lse_inside // 4 + lse.numel()
-    slots = [i for i, t in enumerate(inputs) if t is not None]
-    present = (operator.itemgetter(*slots) if len(slots) > 1
-               else lambda seq, _i=slots[0]: (seq[_i],))
+    # q, the caches and cache_seqlens at least: itemgetter of several items gives a tuple
+    present = operator.itemgetter(*[i for i, t in enumerate(inputs) if t is not None])
     return Lane(device=device, place=q.device, state=state, attend=attend, combine=combine,
                 present=present, aligned=alignment(present(inputs)), append=plan.append,
                 grid=plan.grid, rows=plan.rows, scratch=scratch,
