@@ -184,10 +184,8 @@ class CachedLauncher:
         key = None
         fn = self.fn
         try:
-            runtime = knobs.runtime
             if (bound.tail is not None and not fn.pre_run_hooks and not callable(grid)
-                    and _no_hooks(runtime.launch_enter_hook)
-                    and _no_hooks(runtime.launch_exit_hook)):
+                    and _hooks_unset()):
                 active = driver.active
                 device = active.get_current_device()
                 key = self.key(bound, leading, device)
@@ -241,10 +239,9 @@ class Bound:
 def triton_state():
     """What a launch reads of Triton's global state besides its kernel and arguments: the
     debug and instrumentation knobs, or None while a launch hook is set (Triton's path)."""
-    runtime = knobs.runtime
-    if not (_no_hooks(runtime.launch_enter_hook) and _no_hooks(runtime.launch_exit_hook)):
+    if not _hooks_unset():
         return None
-    return runtime.debug, knobs.compilation.instrumentation_mode
+    return knobs.runtime.debug, knobs.compilation.instrumentation_mode
 
 
 class Ready:
@@ -299,6 +296,12 @@ class _Entry:
             if scope.get(name, _MISSING) is not value:
                 return False
         return True
+
+
+def _hooks_unset() -> bool:
+    """Neither launch hook is set (a set one sends every launch through Triton's path)."""
+    runtime = knobs.runtime
+    return _no_hooks(runtime.launch_enter_hook) and _no_hooks(runtime.launch_exit_hook)
 
 
 def _no_hooks(hook) -> bool:
