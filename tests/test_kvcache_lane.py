@@ -14,6 +14,7 @@ On a GPU, ``test_kvcache_gpu.py`` compares the lane's outputs with the full path
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 
 import pytest
@@ -211,7 +212,7 @@ def test_lane_gives_way(flash_attn, lanes, monkeypatch, change):
         monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "triton")
     elif change == "poison_variable":
         monkeypatch.setenv("FLASH_ATTN_HUB_POISON", "0" if
-                           lanes.kvcache._environment()[2] == "1" else "1")
+                           os.environ.get("FLASH_ATTN_HUB_POISON") == "1" else "1")
     elif change == "unaligned_q":
         args = dict(args, q=_unaligned(args["q"]))
     elif change == "current_device":
@@ -268,3 +269,22 @@ def test_lane_during_graph_capture_only_when_values_are_checked(flash_attn, lane
     lanes.checks.clear()
     _call(flash_attn, args, 2)
     assert not lanes.checks
+
+
+@pytest.mark.parametrize("name", ["FLASH_ATTN_HUB_BACKEND", "FLASH_ATTN_HUB_CHECK_VALUES",
+                                  "FLASH_ATTN_HUB_POISON"])
+def test_environment_reader_sees_every_change(flash_attn, lanes, monkeypatch, name):
+    """The lane's reading of the environment ([Note: reading the environment]) changes with
+    every set and unset of each variable, and reads a replaced ``os.environ`` through it."""
+    read = lanes.kvcache._environment
+    monkeypatch.delenv(name, raising=False)
+    unset = read()
+    monkeypatch.setenv(name, "1")
+    one = read()
+    monkeypatch.setenv(name, "0")
+    zero = read()
+    assert len({unset, one, zero}) == 3
+    monkeypatch.delenv(name)
+    assert read() == unset
+    monkeypatch.setattr(os, "environ", {name: "2"})
+    assert read() == tuple("2" if n == name else None for n in lanes.kvcache._LANE_ENV)

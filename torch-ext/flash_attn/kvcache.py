@@ -460,25 +460,23 @@ def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
 _calls: dict = {}
 _MAX_CALLS = 512
 _SEQLENS_SLOT = 7  # cache_seqlens' position in the key's tensors
+_PLAIN_TENSORS = frozenset((Tensor, type(None)))  # exactly: no subclass
 
 
 def _call_key(tensors: tuple, scalars: tuple):
     """The memo key of a call ([Note: call memo]), or None when it must be checked in full."""
     if _validate._compiling():
         return None
-    parts = []
-    for slot, t in enumerate(tensors):
-        kind = type(t)
-        if kind is Tensor:
-            parts.append((t.shape, t.stride(), t.dtype, t.device))
-        elif t is None:
-            parts.append(None)
-        elif kind is int and slot == _SEQLENS_SLOT:
-            parts.append(int)
-        else:
-            return None
+    kinds = tuple(map(type, tensors))  # which slots are None fixes which ones are tensors
+    if not _PLAIN_TENSORS.issuperset(kinds) and not (
+            kinds[_SEQLENS_SLOT] is int
+            and _PLAIN_TENSORS.issuperset(kinds[:_SEQLENS_SLOT] + kinds[_SEQLENS_SLOT + 1:])):
+        return None
     plain = _validate._plain_key(scalars)
-    return None if plain is None else (tuple(parts), plain)
+    if plain is None:
+        return None
+    return kinds, tuple([(t.shape, t.stride(), t.dtype, t.device)
+                         for t in tensors if type(t) is Tensor]), plain
 
 
 def _checked_call(tensors: tuple, scalars: tuple, key) -> _Call:
@@ -510,30 +508,43 @@ def _checked_call(tensors: tuple, scalars: tuple, key) -> _Call:
 # (``cache_seqlens`` a tensor, index vectors contiguous, float32 sinks, unit-stride table
 # rows), which the key's dtypes, shapes and strides then fix for every call with that key.
 # What the launches read besides (device, Triton's state, alignment) the lane checks itself,
-# returning None when the call must take the full path.
+# returning None when the call must take the full path. ``_lanes[key]`` is ``(environment,
+# whether values are checked, lane)``.
 _lanes: dict = {}
 _LANE_DEVICES = ("cuda",)
 _LANE_ENV = (_dispatch.ENV_BACKEND, ENV_CHECK_VALUES, _custom_ops.ENV_POISON)
 
 
-def _environment() -> tuple:
-    return tuple(map(os.environ.get, _LANE_ENV))
+# [Note: reading the environment] ``os.environ.get`` of an unset variable raises and catches a
+# KeyError inside ``os._Environ`` (~0.9 us a variable), a tenth of a lane's Python time for
+# three variables. CPython's ``os.environ`` keeps its values in the dict ``_data`` under
+# encoded keys, and every change through ``os.environ`` (what ``putenv`` callers and pytest's
+# monkeypatch use) updates that dict in place, so the lane reads the raw values there. Should
+# ``os.environ`` be another object (replaced, or another Python), the lane reads it through
+# ``get``; a variable set reads as bytes one way and as str the other, which never compare
+# equal, so a lane made under one and called under the other takes the full path (correct,
+# only slower).
+def _environment_reader():
+    environ = os.environ
+    data, encode = getattr(environ, "_data", None), getattr(environ, "encodekey", None)
+    if type(data) is not dict or not callable(encode):
+        return lambda: tuple(map(os.environ.get, _LANE_ENV))
+    keys = tuple(map(encode, _LANE_ENV))
+
+    def environment() -> tuple:
+        if os.environ is not environ:
+            return tuple(map(os.environ.get, _LANE_ENV))
+        return tuple(map(data.get, keys))
+
+    return environment
+
+
+_environment = _environment_reader()
 
 
 # Whether a CUDA graph is being captured on the current stream (never, on a build without CUDA).
 _capturing = (torch.cuda.is_current_stream_capturing if torch.backends.cuda.is_built()
               else (lambda: False))
-
-
-def _through_lane(held: tuple, tensors: tuple):
-    """``(out, lse)`` of the call through ``held``, its key's ``(environment, lane)`` in
-    ``_lanes`` ([Note: lanes]), or None."""
-    environment, lane = held
-    if (_environment() != environment
-            or (environment[1] != "0" and not _capturing())
-            or _custom_ops._modes_or_transforms_active()):
-        return None
-    return lane(*tensors)
 
 
 def _keep_lane(key, tensors: tuple, converted: tuple, call: _Call, out: Tensor,
@@ -557,7 +568,9 @@ def _keep_lane(key, tensors: tuple, converted: tuple, call: _Call, out: Tensor,
     if lane is not None:
         if len(_lanes) >= _MAX_CALLS:
             _lanes.clear()
-        _lanes[key] = (_environment(), lane)
+        _lanes[key] = (_environment(),
+                       os.environ.get(ENV_CHECK_VALUES) != "0",  # whether values are checked
+                       lane)
 
 
 # -- entry points --------------------------------------------------------------------------
@@ -615,8 +628,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                return_softmax_lse)
     key = _call_key(tensors, scalars)
     held = None if key is None else _lanes.get(key)
-    if held is not None:
-        result = _through_lane(held, tensors)
+    if (held is not None and _environment() == held[0]  # [Note: lanes]
+            and not (held[1] and not _capturing())
+            and not _custom_ops._modes_or_transforms_active()):
+        result = held[2](*tensors)
         if result is not None:
             return result if scalars[-1] else result[0]  # return_softmax_lse, plain (the key)
     call = _checked_call(tensors, scalars, key)

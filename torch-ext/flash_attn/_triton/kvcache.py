@@ -71,6 +71,7 @@ Splits are merged by ``common.combine_kernel`` ([Note: combining splits] there).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 
@@ -637,18 +638,14 @@ def forward(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cach
 # partials' lse is an address inside the partials' buffer, not a view of it.
 
 
-def _pointer(t):
-    return None if t is None else t.data_ptr()
-
-
 class Lane:
     """The launches of one ``flash_attn_with_kvcache`` call shape ([Note: kv-cache lane]):
     ``lane(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
     cache_leftpad, block_table, alibi_slopes, s_aux)`` is ``(out, lse)`` (lse None when the
     lane keeps it in scratch memory), or None when the call must take the full path."""
     __slots__ = ("device", "place", "state", "attend", "combine", "present", "aligned",
-                 "append", "grid", "rows", "scratch", "lse_offset", "lse_inside", "out_like_q",
-                 "out_shape", "lse_shape", "dtype", "poison")
+                 "all_aligned", "append", "grid", "rows", "scratch", "lse_offset", "lse_inside",
+                 "out_like_q", "out_shape", "lse_shape", "dtype", "poison")
 
     def __init__(self, **fields):
         for name, value in fields.items():
@@ -657,23 +654,26 @@ class Lane:
     def __call__(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes, s_aux):
         device = _launch.driver.active.get_current_device()
-        combine = self.combine
-        if (device != self.device or triton_state() != self.state or not self.attend.holds()
+        attend, combine = self.attend, self.combine
+        if (device != self.device or triton_state() != self.state or not attend.holds()
                 or (combine is not None and not combine.holds())):
             return None
         if not self.append:
             k = v = None
-        pointers = tuple(map(_pointer, (q, k_cache, v_cache, k, v, block_table, cache_seqlens,
-                                        cache_leftpad, cache_batch_idx, None, None, rotary_cos,
-                                        rotary_sin, alibi_slopes, s_aux)))
-        if pointer_alignment(self.present(pointers)) != self.aligned:
+        pointers = [None if t is None else t.data_ptr()
+                    for t in (q, k_cache, v_cache, k, v, block_table, cache_seqlens,
+                              cache_leftpad, cache_batch_idx, None, None, rotary_cos,
+                              rotary_sin, alibi_slopes, s_aux)]
+        present = self.present(pointers)
+        if (functools.reduce(operator.or_, present) & 15 if self.all_aligned
+                else pointer_alignment(present) != self.aligned):
             return None
         place = self.place
         out = (torch.empty_like(q) if self.out_like_q
                else torch.empty(self.out_shape, dtype=self.dtype, device=place))
         if self.poison:
             out.fill_(math.nan)
-        if self.scratch:
+        if self.scratch:  # (held until the launches are made: stream-ordered reuse after)
             partials = torch.empty(self.scratch, dtype=torch.float32, device=place)
             o_part = partials.data_ptr()
             lse_part = o_part + self.lse_offset
@@ -688,9 +688,11 @@ class Lane:
             lse_ptr = lse.data_ptr()
         out_ptr = out.data_ptr()
         stream = _launch.driver.active.get_current_stream(device)
-        self.attend(*self.grid, stream, *pointers, out_ptr, lse_ptr, o_part, lse_part)
+        attend.start(*self.grid, stream, *attend.prefix, *pointers, out_ptr, lse_ptr, o_part,
+                     lse_part, *attend.tail)
         if combine is not None:
-            combine(self.rows, 1, 1, stream, o_part, lse_part, out_ptr, lse_ptr, pointers[-1])
+            combine.start(self.rows, 1, 1, stream, *combine.prefix, o_part, lse_part, out_ptr,
+                          lse_ptr, pointers[-1], *combine.tail)
         return out, lse
 
 
@@ -727,8 +729,9 @@ def lane(q, k_cache, v_cache, out, lse, *, k, v, rotary_cos, rotary_sin, cache_s
         scratch = lse_inside // 4 + lse.numel()
     # q, the caches and cache_seqlens at least: itemgetter of several items gives a tuple
     present = operator.itemgetter(*[i for i, t in enumerate(inputs) if t is not None])
+    aligned = alignment(present(inputs))
     return Lane(device=device, place=q.device, state=state, attend=attend, combine=combine,
-                present=present, aligned=alignment(present(inputs)), append=plan.append,
+                present=present, aligned=aligned, all_aligned=all(aligned), append=plan.append,
                 grid=plan.grid, rows=plan.rows, scratch=scratch,
                 lse_offset=plan.partials * 4,  # bytes: the partials are float32
                 lse_inside=lse_inside,

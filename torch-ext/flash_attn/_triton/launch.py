@@ -233,7 +233,9 @@ class Bound:
 # holder checks before each launch: the same current device and :func:`triton_state` (launch
 # hooks, debug knobs) as when it was made, leading arguments of the same types, dtypes and
 # 16-byte alignment, and :meth:`Ready.holds` (the kernel's source, the globals it read, its
-# debug flag, no pre-run hook). Anything else goes back to :meth:`CachedLauncher.launch`.
+# debug flag, no pre-run hook). Anything else goes back to :meth:`CachedLauncher.launch`. A
+# holder on a hot path may make the launch itself, ``start(grid_x, grid_y, grid_z, stream,
+# *prefix, *leading, *tail)``, which is what calling the :class:`Ready` does, one frame less.
 
 
 def triton_state():
