@@ -96,9 +96,13 @@ struct FlashBwdParams {
   // [Note] Backward group split: with group_splits > 1, the CTAs of a kv head each take
   // group / group_splits of its query heads and write fp32 partial dK (scaled) and dV into
   // dkv_partial, (2, group_splits, ...k's shape...), contiguous; the caller sums the splits.
+  // With dkv_add the buffer is (2, 1, ...k's shape...), zeroed by the caller, and every split
+  // adds into it (fp32 atomics: the order of the adds, and so the rounding, is not fixed;
+  // never in deterministic mode); part_split_stride is then 0.
   // Strides in elements, for one split's slice (k's layout); dv's half is one `part_half` on.
   float* dkv_partial;
   int group_splits;
+  bool dkv_add;
   int64_t part_split_stride, part_half_stride, part_batch_stride, part_row_stride,
       part_head_stride;
 };

@@ -201,9 +201,10 @@ def test_gqa(cuda_backend, attn_params, hq, hkv, causal, d):
 @pytest.mark.parametrize("case,splits", [("mqa_causal", 4), ("gqa4_band", 2), ("mqa_full", 8),
                                          ("varlen_mqa_causal", 2), ("deterministic_mqa", 4)])
 def test_group_split(cuda_backend, heuristics, attn_params, monkeypatch, case, splits):
-    """[Note: CUDA group split]: each kv head's query heads over `splits` CTAs, partial dK/dV
-    summed by the caller; held to the reference, and bitwise reproducible in deterministic mode
-    (the switch forced on, so the test keeps its meaning whatever the default)."""
+    """[Note: CUDA group split]: each kv head's query heads over `splits` CTAs, adding into one
+    fp32 dK/dV (stored per split and summed by the caller in deterministic mode); held to the
+    reference, and bitwise reproducible in deterministic mode (the split forced, so the test
+    keeps its meaning whatever the rule)."""
     chosen = []
     monkeypatch.setattr(heuristics, "cuda_group_splits",
                         lambda *a: chosen.append(splits) or splits)
@@ -490,6 +491,27 @@ def test_group_split_counts(heuristics, attn_params, monkeypatch):
     q256, k256 = torch.empty(4, 4096, 32, 256), torch.empty(4, 4096, 1, 256)
     assert heuristics.cuda_backward_ctas(q256, k256, causal) == 256
     assert heuristics.cuda_group_splits(q256, k256, causal) == 4  # 256 CTAs -> 1024
+
+
+def test_group_split_heads_per_cta(heuristics, attn_params, monkeypatch):
+    """[Note: CUDA group split]'s second rule: Llama 64/8 causal from 8k keys at D=128 (1024
+    CTAs: no split by the first rule) gives each CTA 2 query heads (4 splits); not at 4k keys,
+    not with a group of 4, not without a band, not in deterministic mode, not at D=64."""
+    monkeypatch.setattr(heuristics, "sm_count", lambda device: 132)
+
+    def splits(hq, hkv, seqlen, d=128, **kw):  # 16k tokens, as the benchmark's grid
+        batch = 16384 // seqlen
+        q, k = torch.empty(batch, seqlen, hq, d), torch.empty(batch, seqlen, hkv, d)
+        return heuristics.cuda_group_splits(
+            q, k, backend_params(attn_params, d, max_q=seqlen, max_k=seqlen, **kw))
+
+    assert splits(64, 8, 8192, causal=True) == 4
+    assert splits(64, 8, 8192, window=(1024, 0)) == 4
+    assert splits(64, 8, 4096, causal=True) == 1
+    assert splits(32, 8, 8192, causal=True) == 1
+    assert splits(64, 8, 8192) == 1
+    assert splits(64, 8, 8192, causal=True, deterministic=True) == 1
+    assert splits(64, 8, 8192, d=64, causal=True) == 1
 
 
 def test_banded_small_head_dims_stay_on_cuda(heuristics, attn_params):

@@ -214,7 +214,7 @@ void hopper_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor ls
                 std::optional<Tensor> dq_semaphore, std::optional<Tensor> cu_seqlens_q,
                 std::optional<Tensor> cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                 double scale, int64_t window_left, int64_t window_right, double softcap,
-                std::optional<Tensor> dkv_partial) {
+                std::optional<Tensor> dkv_partial, int64_t group_splits) {
   constexpr const char* op = "hopper_bwd";
   flash::FlashBwdParams b{};
   b.fwd = forward_params(op, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -287,6 +287,8 @@ void hopper_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor ls
   }
   // [Note] Backward group split in csrc/flash_params.h
   b.group_splits = 1;
+  STD_TORCH_CHECK(group_splits == 0 || dkv_partial.has_value(), op,
+                  ": group_splits > 0 needs dkv_partial");
   if (dkv_partial.has_value()) {
     const Tensor& part = *dkv_partial;
     bool shape_ok = part.dim() == dims + 2 && part.size(0) == 2 && part.size(1) >= 1;
@@ -295,13 +297,19 @@ void hopper_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor ls
                         part.is_contiguous() && shape_ok,
                     op, ": dkv_partial must be a contiguous float32 CUDA tensor of shape "
                     "(2, group_splits, *k.shape)");
-    const int64_t splits = part.size(1);
-    STD_TORCH_CHECK((p.heads_q / p.heads_kv) % splits == 0, op, ": dkv_partial's group_splits (",
-                    splits, ") must divide Hq / Hkv = ", p.heads_q / p.heads_kv);
+    // group_splits 0: one slice per split, stored; > 0: every split adds into one slice
+    STD_TORCH_CHECK(group_splits == 0 || (group_splits > 1 && part.size(1) == 1 &&
+                                          !dq_semaphore.has_value()),
+                    op, ": group_splits must be 0 (one dkv_partial slice per split) or > 1 with "
+                    "a single zeroed slice, outside deterministic mode (got ", group_splits, ")");
+    const int64_t splits = group_splits > 0 ? group_splits : part.size(1);
+    STD_TORCH_CHECK((p.heads_q / p.heads_kv) % splits == 0, op, ": group_splits (", splits,
+                    ") must divide Hq / Hkv = ", p.heads_q / p.heads_kv);
     b.dkv_partial = static_cast<float*>(part.mutable_data_ptr());
     b.group_splits = static_cast<int>(splits);
+    b.dkv_add = group_splits > 0;
     b.part_half_stride = part.stride(0);
-    b.part_split_stride = part.stride(1);
+    b.part_split_stride = b.dkv_add ? 0 : part.stride(1);
     b.part_row_stride = part.stride(-3);
     b.part_head_stride = part.stride(-2);
     b.part_batch_stride = dims == 4 ? part.stride(2) : 0;
@@ -321,7 +329,7 @@ STABLE_TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
         "Tensor(f!) delta, Tensor(g!)? dq_semaphore, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
         "int max_seqlen_q, "
         "int max_seqlen_k, float scale, int window_left, int window_right, float softcap, "
-        "Tensor(h!)? dkv_partial=None) -> ()");
+        "Tensor(h!)? dkv_partial=None, int group_splits=0) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CUDA, m) {

@@ -21,7 +21,8 @@ void hopper_fwd(torch::stable::Tensor q, torch::stable::Tensor k, torch::stable:
 // one per 64 workspace rows) makes dq bitwise reproducible. With dkv_partial (fp32,
 // (2, group_splits, *k.shape)), each kv head's query heads are split over group_splits CTAs
 // that write partial dK / dV there instead of into dk / dv; the caller sums them ([Note]
-// Backward group split).
+// Backward group split). With group_splits > 0 instead, dkv_partial holds one zeroed slice
+// (2, 1, *k.shape) that all group_splits CTAs add into (not in deterministic mode).
 void hopper_bwd(torch::stable::Tensor dout, torch::stable::Tensor q, torch::stable::Tensor k,
                 torch::stable::Tensor v, torch::stable::Tensor out, torch::stable::Tensor lse,
                 torch::stable::Tensor dq, torch::stable::Tensor dk, torch::stable::Tensor dv,
@@ -31,4 +32,5 @@ void hopper_bwd(torch::stable::Tensor dout, torch::stable::Tensor q, torch::stab
                 std::optional<torch::stable::Tensor> cu_seqlens_q,
                 std::optional<torch::stable::Tensor> cu_seqlens_k, int64_t max_seqlen_q,
                 int64_t max_seqlen_k, double scale, int64_t window_left, int64_t window_right,
-                double softcap, std::optional<torch::stable::Tensor> dkv_partial);
+                double softcap, std::optional<torch::stable::Tensor> dkv_partial,
+                int64_t group_splits);

@@ -7,7 +7,7 @@
 //                inside the CTA (no Hq-sized buffer, no reduction op). With a group split
 //                ([Note] Backward group split in csrc/flash_params.h) one of group_splits CTAs
 //                of that key block, each over its share of the query heads, writing fp32
-//                partials the caller sums
+//                partials the caller sums, or adding into one fp32 dK/dV the caller converts
 //   step         one (query head of the group, query block of kBlockM rows) the CTA visits, in
 //                the order of [Note] Backward step order
 //   producer     warpgroup 0, warp 0: one elected thread issues the copy-engine loads of K and V
@@ -238,11 +238,12 @@ __device__ __forceinline__ void key_blocks_of_query_block(const FlashParams& p, 
 }
 
 // Writes a 64-row accumulator (rows = this warpgroup's keys) to dst rows [row_lo, ...) in pairs
-// (of Element, or of fp32 when Element is float).
+// (of Element, or of fp32 when Element is float; with `add`, fp32 pairs added atomically).
 template <class Element, int D, class Frag>
 __device__ __forceinline__ void store_rows(const Frag& acc, float mul, Element* dst,
                                            int64_t row_stride, int row0, int row_start,
-                                           int rows_valid, int head_dim, int col_lane) {
+                                           int rows_valid, int head_dim, int col_lane,
+                                           bool add = false) {
   CUTE_UNROLL
   for (int c1 = 0; c1 < 2; ++c1) {
     const int row = row0 + 8 * c1;
@@ -253,9 +254,13 @@ __device__ __forceinline__ void store_rows(const Frag& acc, float mul, Element* 
       const int col = 8 * g + col_lane;
       if (col < head_dim) {
         if constexpr (std::is_same_v<Element, float>) {  // a group split's fp32 partial
-          *reinterpret_cast<float2*>(out_row + col) =
-              make_float2(acc(cute::make_coord(0, c1, g), 0, 0) * mul,
-                          acc(cute::make_coord(1, c1, g), 0, 0) * mul);
+          const float2 pair = make_float2(acc(cute::make_coord(0, c1, g), 0, 0) * mul,
+                                          acc(cute::make_coord(1, c1, g), 0, 0) * mul);
+          if (add) {
+            atomicAdd(reinterpret_cast<float2*>(out_row + col), pair);
+          } else {
+            *reinterpret_cast<float2*>(out_row + col) = pair;
+          }
         } else {
           __align__(4) Element pair[2] = {Element(acc(cute::make_coord(0, c1, g), 0, 0) * mul),
                                           Element(acc(cute::make_coord(1, c1, g), 0, 0) * mul)};
@@ -690,9 +695,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     float* dk = p.dkv_partial + split * p.part_split_stride + int64_t(batch) * p.part_batch_stride +
                 int64_t(kv_head) * p.part_head_stride;
     store_rows<float, kDkv>(tDkrDk, args.grad_scale, dk + col0, p.part_row_stride, r0,
-                            row_start, rows_valid, cols_valid, col_lane);
+                            row_start, rows_valid, cols_valid, col_lane, p.dkv_add);
     store_rows<float, kDkv>(tDvrDv, 1.f, dk + p.part_half_stride + col0, p.part_row_stride, r0,
-                            row_start, rows_valid, cols_valid, col_lane);
+                            row_start, rows_valid, cols_valid, col_lane, p.dkv_add);
     return;
   }
   Element* dk = static_cast<Element*>(p.dk) + int64_t(batch) * p.dk_batch_stride +

@@ -189,14 +189,21 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, ds_aux, *, cu_seqlens_q, cu_se
                  if params.deterministic else None)
     # [Note: CUDA group split] in _heuristics; looked up on the module so a test can force it
     splits = _heuristics.cuda_group_splits(q, k, params)
-    partial = (torch.empty((2, splits, *k.shape), device=k.device, dtype=torch.float32)
-               if splits > 1 else None)
+    add = splits > 1 and _heuristics.group_split_adds(params)
+    if add:  # every split adds into one fp32 dK/dV
+        partial = torch.zeros((2, 1, *k.shape), device=k.device, dtype=torch.float32)
+    else:
+        partial = (torch.empty((2, splits, *k.shape), device=k.device, dtype=torch.float32)
+                   if splits > 1 else None)
     _op("hopper_bwd")(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, dq_acc, lse2, delta,
                       semaphore, cu_seqlens_q, cu_seqlens_k, int(params.max_seqlen_q),
                       int(params.max_seqlen_k), float(params.softmax_scale),
                       int(params.window_left), int(params.window_right), float(params.softcap),
-                      partial)
-    if partial is not None:  # a fixed order over the splits: still bitwise reproducible
+                      partial, splits if add else 0)
+    if add:
+        dk.copy_(partial[0, 0])
+        dv.copy_(partial[1, 0])
+    elif partial is not None:  # a fixed order over the splits: still bitwise reproducible
         dk.copy_(partial[0].sum(0))
         dv.copy_(partial[1].sum(0))
     if ds_aux is not None:

@@ -132,7 +132,29 @@ def _banded(params: AttnParams) -> bool:
 # 292/432/521 TFLOP/s (0.54-0.69x -> 0.96-1.00x cuDNN); without a mask the grid already fills
 # one wave and no split is taken. tests/test_cuda_bwd.py::test_group_split checks it against
 # the reference. ``GROUP_SPLIT`` turns it off (the A/B of the measurement).
+#
+# Outside deterministic mode the splits add into one zeroed fp32 dK/dV instead (fp32 atomics
+# in the kernel's epilogue, csrc/flash_params.h), which is converted after: one fp32 copy of
+# dK and dV whatever the split, where the sum needed one per split. That made a second use
+# affordable. Long causal grids with large groups lose to FA4 and cuDNN, and one suspect
+# (docs/performance.md, Open gaps) is that a CTA walks all of its kv head's query heads: at
+# Llama 64/8 its steps span 8 heads' Q, dO and dQ, and the CTAs in flight drift apart across
+# heads. With a
+# group of at least BANDED_SPLIT_MIN_GROUP under a band, from BANDED_SPLIT_MIN_KEYS keys, the
+# D=128 kernel's CTAs take at most BANDED_HEADS_PER_CTA query heads each. Measured in one
+# build with the rule switched at run time (tools.ab_bench, two rounds, bwd, causal, H100,
+# cuDNN in every process as the anchor): Llama 64/8 (4 splits) 4k/8k/16k 442.6 -> 436.1,
+# 465.7 -> 484.8, 487.5 -> 535.2 TFLOP/s (-1.5/+4.1/+9.8%; cuDNN moved -1.5/-2.4/-0.4%);
+# GQA 32/8 (2 splits) level (-0.1/+0.4/+0.9%), so a group of 4 keeps one CTA per kv head.
+# The fp32 dK/dV adds 2 x 4 bytes per K element to the backward's peak (+128 MiB at these
+# shapes: 844 -> 972 MiB at Llama 16k, against cuDNN's 1348). Other head dims: unmeasured.
+# The first rule's splits (MQA and other short grids) went from the sum to the adds without
+# a new timing; the deterministic mode keeps the sum.
 GROUP_SPLIT = True
+BANDED_SPLIT_MIN_GROUP = 8
+BANDED_SPLIT_MIN_KEYS = 8192
+BANDED_HEADS_PER_CTA = 2
+BANDED_SPLIT_DIMS = (128,)  # compiled backward head dims where the rule was measured
 
 
 def bwd_kernel_dim(head_dim: int) -> int:
@@ -155,11 +177,24 @@ def cuda_group_splits(q: torch.Tensor, k: torch.Tensor, params: AttnParams) -> i
     1 while ``GROUP_SPLIT`` is off."""
     if not GROUP_SPLIT:
         return 1
-    return dkdv_group_splits(cuda_backward_ctas(q, k, params), q.shape[-2] // k.shape[-2],
-                             sm_count(q.device), banded=_banded(params))
+    group = q.shape[-2] // k.shape[-2]
+    splits = dkdv_group_splits(cuda_backward_ctas(q, k, params), group, sm_count(q.device),
+                               banded=_banded(params))
+    if (group >= BANDED_SPLIT_MIN_GROUP and _banded(params) and group_split_adds(params)
+            and params.max_seqlen_k >= BANDED_SPLIT_MIN_KEYS
+            and bwd_kernel_dim(q.shape[-1]) in BANDED_SPLIT_DIMS):
+        while group // splits > BANDED_HEADS_PER_CTA and group % (2 * splits) == 0:
+            splits *= 2
+    return splits
 
 
-# ---------------------------------------------------------------------------------------------
+def group_split_adds(params: AttnParams) -> bool:
+    """Whether a group split's CTAs add into one fp32 dK/dV (atomics, [Note: CUDA group
+    split]) rather than each storing its own slice for a fixed-order sum: outside
+    deterministic mode."""
+    return not params.deterministic
+
+
 # The Triton split-KV decode
 # ---------------------------------------------------------------------------------------------
 
