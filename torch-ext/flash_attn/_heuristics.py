@@ -139,9 +139,9 @@ def _banded(params: AttnParams) -> bool:
 # affordable. Long causal grids with large groups lose to FA4 and cuDNN, and one suspect
 # (docs/performance.md, Open gaps) is that a CTA walks all of its kv head's query heads: at
 # Llama 64/8 its steps span 8 heads' Q, dO and dQ, and the CTAs in flight drift apart across
-# heads. With a
-# group of at least BANDED_SPLIT_MIN_GROUP under a band, from BANDED_SPLIT_MIN_KEYS keys, the
-# D=128 kernel's CTAs take at most BANDED_HEADS_PER_CTA query heads each. Measured in one
+# heads. With a group of at least BANDED_SPLIT_MIN_GROUP under a band, from
+# BANDED_SPLIT_MIN_KEYS keys, the D=128 kernel's CTAs take at most BANDED_HEADS_PER_CTA query
+# heads each. Measured in one
 # build with the rule switched at run time (tools.ab_bench, two rounds, bwd, causal, H100,
 # cuDNN in every process as the anchor): Llama 64/8 (4 splits) 4k/8k/16k 442.6 -> 436.1,
 # 465.7 -> 484.8, 487.5 -> 535.2 TFLOP/s (-1.5/+4.1/+9.8%; cuDNN moved -1.5/-2.4/-0.4%);
@@ -195,6 +195,7 @@ def group_split_adds(params: AttnParams) -> bool:
     return not params.deterministic
 
 
+# ---------------------------------------------------------------------------------------------
 # The Triton split-KV decode
 # ---------------------------------------------------------------------------------------------
 
