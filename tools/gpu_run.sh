@@ -3,7 +3,7 @@
 # peers, publish it to an embedded Hub and load it back, and train. Phases run in the order
 # given (default: setup build test bench hub):
 #
-#   bash tools/gpu_run.sh [setup] [build] [test] [sanitize] [bench] [ab] [hub] [train]
+#   bash tools/gpu_run.sh [setup] [build] [test] [sanitize] [bench] [ab] [host] [hub] [train]
 #
 # setup     installs the wheels carried in .whl/ (what the GPU image lacks: kernels,
 #           huggingface_hub, nvidia-cutlass, ...) into /tmp/site, and FlashAttention-4 and
@@ -23,6 +23,10 @@
 #           "--head-dims 128 --append", "--head-dims 256 --append" (each call runs setup too).
 # ab        python -m tools.ab_bench with AB_ARGS: run-time variants of one build A/B'd in
 #           alternating bench processes (tools/ab_bench.py), archived to $OUT/ab.tgz.
+# host      python -m tools.host_overhead HOST_ROUNDS times (default 3) with HOST_ARGS (default
+#           "--kvcache --seqlen-k 4096 --calls 3000"): eager and graph host time per call, ours
+#           against SDPA in each process; every round's table is printed. HOST_BASE names a
+#           second build directory (another lane, say) run alternately with build/ in each round.
 # hub       python -m flash_attn_hub release: build, check, publish to an embedded Hub, verify.
 # train     benchmarks/train_trl.py, loading ours from the embedded Hub that hub published to
 #           (run hub first); TRAIN_ARGS adds flags.
@@ -147,6 +151,19 @@ for phase in "${phases[@]}"; do
       # shellcheck disable=SC2086
       run_phase ab timeout "${AB_TIMEOUT:-570}" python3 -m tools.ab_bench --out /tmp/ab ${AB_ARGS:-}
       [[ -d /tmp/ab ]] && tar czf "$OUT/ab.tgz" -C /tmp ab
+      ;;
+    host)
+      # The host is noisy from process to process: compare ours with SDPA inside one process,
+      # and builds only in alternating processes (docs/performance.md, Decode).
+      for round in $(seq "${HOST_ROUNDS:-3}"); do
+        for dir in ${HOST_BASE:-} build; do
+          log "host round $round, $dir"
+          # shellcheck disable=SC2086
+          timeout "${HOST_TIMEOUT:-90}" python3 -m tools.host_overhead --kernel-dir "$dir" \
+            --profile-lines 0 ${HOST_ARGS:---kvcache --seqlen-k 4096 --calls 3000} 2>&1 |
+            grep -E "host time|eager|Error" || status=1
+        done
+      done
       ;;
     hub)
       # HUB_ARGS adds flags, e.g. "--no-transformers" when only the train phase needs the Hub.
