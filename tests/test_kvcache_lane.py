@@ -254,21 +254,34 @@ def test_no_lane_when_the_full_path_converts(flash_attn, lanes, edit):
     assert len(lanes.checks) == 2
 
 
-def test_lane_during_graph_capture_only_when_values_are_checked(flash_attn, lanes, monkeypatch):
-    """With the value checks on, an eager call takes the full path (which checks values) and a
-    call during CUDA-graph capture (which skips them) the lane."""
+def test_lane_checks_values_where_the_full_path_would(flash_attn, lanes, monkeypatch):
+    """With the value checks on, an eager call through the lane runs the full path's value
+    checks first: a bad value raises, naming the argument, before any launch. During CUDA-graph
+    capture (which skips them) the lane launches without them."""
     monkeypatch.setenv("FLASH_ATTN_HUB_CHECK_VALUES", "1")
+    checked = []
+    real = lanes.kvcache._check_cache_values
+    monkeypatch.setattr(lanes.kvcache, "_check_cache_values",
+                        lambda **kw: checked.append(kw["cache_seqlens"]) or real(**kw))
     torch.manual_seed(0)
     args, _ = build(dataclasses.replace(CASES["contiguous_gqa"]), "cpu")
     _call(flash_attn, args, 2)
     assert len(lanes.kvcache._lanes) == 1
     lanes.checks.clear()
+    checked.clear()
     _call(flash_attn, args, 2)
-    assert lanes.checks
+    assert not lanes.checks  # the lane ...
+    assert checked == [args["cache_seqlens"]]  # ... after the value checks
+    capacity = args["k_cache"].shape[1]
+    bad = dict(args, cache_seqlens=torch.full_like(args["cache_seqlens"], capacity))
+    launches = len(lanes.launches)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        _call(flash_attn, bad, 2)
+    assert len(lanes.launches) == launches and not lanes.checks
     monkeypatch.setattr(lanes.kvcache, "_capturing", lambda: True)
-    lanes.checks.clear()
+    checked.clear()
     _call(flash_attn, args, 2)
-    assert not lanes.checks
+    assert not checked and not lanes.checks and len(lanes.launches) > launches
 
 
 @pytest.mark.parametrize("name", ["FLASH_ATTN_HUB_BACKEND", "FLASH_ATTN_HUB_CHECK_VALUES",

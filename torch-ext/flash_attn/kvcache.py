@@ -500,16 +500,18 @@ def _checked_call(tensors: tuple, scalars: tuple, key) -> _Call:
 # * the call memo's own conditions (plain tensors and scalars, not compiling: the key exists);
 # * the environment variables the full path reads (backend choice, value checks, poisoned
 #   outputs), as they were when the lane was made;
-# * no value check would run: ``FLASH_ATTN_HUB_CHECK_VALUES=0``, or a CUDA graph is being
-#   captured ([Note: value checks]); an eager call that checks values takes the full path;
 # * no torch-function or dispatch mode and no functorch transform (``_custom_ops._direct``).
+#
+# Where the full path would check values ([Note: value checks]: an eager call, unless
+# ``FLASH_ATTN_HUB_CHECK_VALUES=0``), the lane runs the same checks on the same tensors first,
+# so a bad value raises before any launch either way.
 #
 # A lane is made only when every conversion of the full path was a no-op for the call
 # (``cache_seqlens`` a tensor, index vectors contiguous, float32 sinks, unit-stride table
 # rows), which the key's dtypes, shapes and strides then fix for every call with that key.
 # What the launches read besides (device, Triton's state, alignment) the lane checks itself,
 # returning None when the call must take the full path. ``_lanes[key]`` is ``(environment,
-# whether values are checked, lane)``.
+# whether values are checked, the call's checked metadata, lane)``.
 _lanes: dict = {}
 _LANE_DEVICES = ("cuda",)
 _LANE_ENV = (_dispatch.ENV_BACKEND, ENV_CHECK_VALUES, _custom_ops.ENV_POISON)
@@ -570,7 +572,19 @@ def _keep_lane(key, tensors: tuple, converted: tuple, call: _Call, out: Tensor,
             _lanes.clear()
         _lanes[key] = (_environment(),
                        os.environ.get(ENV_CHECK_VALUES) != "0",  # whether values are checked
-                       lane)
+                       call, lane)
+
+
+def _check_lane_values(call: _Call, tensors: tuple) -> None:
+    """The full path's value checks of a call that goes through its lane, whose tensors are
+    the converted ones (a lane is made only where the conversions are no-ops)."""
+    (q, k_cache, _, _, _, _, _, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+     _, _) = tensors
+    _check_cache_values(batch=q.shape[0], seqlen_new=call.seqlen_new, capacity=call.capacity,
+                        cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
+                        cache_batch_idx=cache_batch_idx, batch_cache=k_cache.shape[0],
+                        block_table=block_table, page_size=k_cache.shape[1],
+                        num_blocks=k_cache.shape[0])
 
 
 # -- entry points --------------------------------------------------------------------------
@@ -629,9 +643,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     key = _call_key(tensors, scalars)
     held = None if key is None else _lanes.get(key)
     if (held is not None and _environment() == held[0]  # [Note: lanes]
-            and not (held[1] and not _capturing())
             and not _custom_ops._modes_or_transforms_active()):
-        result = held[2](*tensors)
+        if held[1] and not _capturing():
+            _check_lane_values(held[2], tensors)
+        result = held[3](*tensors)
         if result is not None:
             return result if scalars[-1] else result[0]  # return_softmax_lse, plain (the key)
     call = _checked_call(tensors, scalars, key)
