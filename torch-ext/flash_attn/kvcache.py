@@ -575,9 +575,10 @@ def _keep_lane(key, tensors: tuple, converted: tuple, call: _Call, out: Tensor,
                        call, lane)
 
 
-def _check_lane_values(call: _Call, tensors: tuple) -> None:
-    """The full path's value checks of a call that goes through its lane, whose tensors are
-    the converted ones (a lane is made only where the conversions are no-ops)."""
+def _check_call_values(call: _Call, tensors: tuple) -> None:
+    """:func:`_check_cache_values` of a checked call's converted tensors (in the entry point's
+    order). A lane's caller passes its own tensors: a lane is made only where the conversions
+    are no-ops."""
     (q, k_cache, _, _, _, _, _, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
      _, _) = tensors
     _check_cache_values(batch=q.shape[0], seqlen_new=call.seqlen_new, capacity=call.capacity,
@@ -645,7 +646,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if (held is not None and _environment() == held[0]  # [Note: lanes]
             and not _custom_ops._modes_or_transforms_active()):
         if held[1] and not _capturing():
-            _check_lane_values(held[2], tensors)
+            _check_call_values(held[2], tensors)
         result = held[3](*tensors)
         if result is not None:
             return result if scalars[-1] else result[0]  # return_softmax_lse, plain (the key)
@@ -656,19 +657,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_leftpad = None if cache_leftpad is None else cache_leftpad.contiguous()
     s_aux = _validate.sinks_float32(s_aux)
     alibi_slopes = None if alibi_slopes is None else alibi_slopes.contiguous()
-    _check_cache_values(batch=q.shape[0], seqlen_new=call.seqlen_new, capacity=call.capacity,
-                        cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
-                        cache_batch_idx=cache_batch_idx, batch_cache=k_cache.shape[0],
-                        block_table=block_table, page_size=k_cache.shape[1],
-                        num_blocks=k_cache.shape[0])
+    converted = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes, s_aux)
+    _check_call_values(call, converted)
     out, lse = _run(call.params, q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos,
                     rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
                     cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                     block_table=block_table, alibi_slopes=alibi_slopes, s_aux=s_aux)
     if key is not None:
-        _keep_lane(key, tensors, (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
-                                  cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                                  alibi_slopes, s_aux), call, out, lse)
+        _keep_lane(key, tensors, converted, call, out, lse)
     return (out, lse) if call.return_lse else out
 
 
