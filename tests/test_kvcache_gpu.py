@@ -157,14 +157,16 @@ def test_gpu_decode_step_reuses_its_compiled_kernels_bitwise(flash_attn, monkeyp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size, num_splits, sink", [(None, 0, False), (None, 4, True),
-                                                          (16, 0, False), (16, 3, True)])
+@pytest.mark.parametrize("page_size, num_splits, sink, check_values",
+                         [(None, 0, False, "0"), (None, 4, True, "0"), (16, 0, False, "0"),
+                          (16, 3, True, "0"), (None, 4, True, "1"), (16, 3, True, "1")])
 def test_gpu_lane_matches_the_full_path_bitwise(flash_attn, monkeypatch, page_size, num_splits,
-                                                sink):
+                                                sink, check_values):
     """[Note: lanes] in kvcache.py: a decode step through the full path (lanes off), then the
-    same step twice with lanes on, the second through the lane (no checks run). Output, lse
-    and caches come out bitwise equal, and the lane's output matches the oracle."""
-    monkeypatch.setenv("FLASH_ATTN_HUB_CHECK_VALUES", "0")
+    same step twice with lanes on, the second through the lane (no metadata checks run; with
+    the value checks on, the lane runs those). Output, lse and caches come out bitwise equal,
+    and the lane's output matches the oracle."""
+    monkeypatch.setenv("FLASH_ATTN_HUB_CHECK_VALUES", check_values)
     kvcache = submodule(flash_attn, "kvcache")
     monkeypatch.setattr(kvcache, "_lanes", {})
     checks, real = [], kvcache._checked_call
