@@ -233,9 +233,9 @@ class Bound:
 # holder checks before each launch: the same current device and :func:`triton_state` (launch
 # hooks, debug knobs) as when it was made, leading arguments of the same types, dtypes and
 # 16-byte alignment, and :meth:`Ready.holds` (the kernel's source, the globals it read, its
-# debug flag, no pre-run hook). Anything else goes back to :meth:`CachedLauncher.launch`. A
-# holder on a hot path may make the launch itself, ``start(grid_x, grid_y, grid_z, stream,
-# *prefix, *leading, *tail)``, which is what calling the :class:`Ready` does, one frame less.
+# debug flag, no pre-run hook). Anything else goes back to :meth:`CachedLauncher.launch`. The
+# holder makes the launch itself, ``start(grid_x, grid_y, grid_z, stream, *prefix, *leading,
+# *tail)``: on a hot path a method call in between would cost a frame per launch.
 
 
 def triton_state():
@@ -248,8 +248,8 @@ def triton_state():
 
 class Ready:
     """A cached kernel's launch with everything but the grid, the stream and the leading
-    arguments fixed: ``ready(grid_x, grid_y, grid_z, stream, *leading)`` ([Note: ready
-    launches])."""
+    arguments fixed, launched as ``start(grid_x, grid_y, grid_z, stream, *prefix, *leading,
+    *tail)`` ([Note: ready launches])."""
     __slots__ = ("fn", "entry", "start", "prefix", "tail", "debug")
 
     def __init__(self, fn, entry: _Entry, tail: tuple):
@@ -264,9 +264,6 @@ class Ready:
         """The kernel is still the one Triton would launch for these arguments."""
         fn = self.fn
         return not fn.pre_run_hooks and fn.debug == self.debug and self.entry.current(fn)
-
-    def __call__(self, grid_x: int, grid_y: int, grid_z: int, stream: int, *leading) -> None:
-        self.start(grid_x, grid_y, grid_z, stream, *self.prefix, *leading, *self.tail)
 
 
 class _Entry:
