@@ -200,11 +200,13 @@ def test_gqa(cuda_backend, attn_params, hq, hkv, causal, d):
 @needs_sm90
 @pytest.mark.parametrize("case,splits", [("mqa_causal", 4), ("gqa4_band", 2), ("mqa_full", 8),
                                          ("varlen_mqa_causal", 2), ("deterministic_mqa", 4)])
-def test_group_split(cuda_backend, heuristics, attn_params, monkeypatch, case, splits):
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_group_split(cuda_backend, heuristics, attn_params, monkeypatch, case, splits, d):
     """[Note: CUDA group split]: each kv head's query heads over `splits` CTAs, adding into one
     fp32 dK/dV (stored per split and summed by the caller in deterministic mode); held to the
     reference, and bitwise reproducible in deterministic mode (the split forced, so the test
-    keeps its meaning whatever the rule)."""
+    keeps its meaning whatever the rule), at each compiled head dim (D=256's CTAs take 64 keys
+    and split the head dim: csrc/hopper/bwd_traits.h)."""
     chosen = []
     monkeypatch.setattr(heuristics, "cuda_group_splits",
                         lambda *a: chosen.append(splits) or splits)
@@ -212,14 +214,14 @@ def test_group_split(cuda_backend, heuristics, attn_params, monkeypatch, case, s
     if case == "varlen_mqa_causal":
         torch.manual_seed(41)
         q, k, v, cu_q, cu_k, max_q, max_k = make_varlen_qkv([300, 0, 1, 513], [300, 7, 1, 600],
-                                                            8, 1, 128, device="cuda")
-        params = backend_params(attn_params, 128, causal=True, max_q=max_q, max_k=max_k)
+                                                            8, 1, d, device="cuda")
+        params = backend_params(attn_params, d, causal=True, max_q=max_q, max_k=max_k)
     else:
         hkv = 2 if case == "gqa4_band" else 1
         window = {"mqa_causal": (-1, 0), "gqa4_band": (65, 9), "mqa_full": (-1, -1),
                   "deterministic_mqa": (-1, 0)}[case]
-        q, k, v = seeded_cuda_qkv(2, 300, 413, 8, hkv, 128, seed=43)
-        params = backend_params(attn_params, 128, causal=window == (-1, 0), window=window,
+        q, k, v = seeded_cuda_qkv(2, 300, 413, 8, hkv, d, seed=43)
+        params = backend_params(attn_params, d, causal=window == (-1, 0), window=window,
                                 max_q=300, max_k=413, deterministic=case == "deterministic_mqa")
     _check(cuda_backend, q, k, v, params, cu_q=cu_q, cu_k=cu_k, label=case)
     assert chosen == [splits], "the split launch did not run"
