@@ -9,6 +9,12 @@ prints the rule's choice first, then the candidates sorted by time, with GB/s of
 
     python3 -m tools.kvcache_tiles --kernel-dir build [--cells b1-32k,p16-b8-sq16] [--top 8]
     python3 -m tools.kvcache_tiles --kernel-dir build --cells b1-32k --only-rule   # for ncu
+    python3 -m tools.kvcache_tiles --kernel-dir build --cells p16-b1-32k,p16-b1-32k-inorder \
+        --time-rule   # the rule's choice alone, pages shuffled against pages in order
+
+A paged cell's block table is a random permutation of the pool's pages unless its name ends in
+``-inorder`` (page i of a sequence at pool block i): the two bound what the gather's address
+pattern (a fresh page every 16 keys, anywhere in the pool) costs.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ CELLS = {
     "b1-32k": (1, 32768, (32, 8), 0, 1),
     "b1-128k": (1, 131072, (32, 8), 0, 1),
     "p16-b1-32k": (1, 32768, (32, 8), 16, 1),
+    "p16-b1-32k-inorder": (1, 32768, (32, 8), 16, 1),
+    "p64-b1-32k": (1, 32768, (32, 8), 64, 1),
     "b32-4k": (32, 4096, (32, 8), 0, 1),
     "b8-32k-sq16": (8, 32768, (32, 8), 0, 16),
     "p16-b8-32k-sq16": (8, 32768, (32, 8), 16, 16),
@@ -38,14 +46,16 @@ CELLS = {
 }
 
 
-def _cell_inputs(batch, keys, heads, page, seqlen_q, device="cuda", dtype=torch.bfloat16):
+def _cell_inputs(batch, keys, heads, page, seqlen_q, inorder=False, device="cuda",
+                 dtype=torch.bfloat16):
     hq, hkv = heads
     q = torch.randn(batch, seqlen_q, hq, 128, device=device, dtype=dtype)
     if page:
         blocks = batch * keys // page
         k_cache, v_cache = (torch.randn(blocks, page, hkv, 128, device=device, dtype=dtype)
                             for _ in range(2))
-        table = torch.randperm(blocks, device=device, dtype=torch.int32).view(batch, -1)
+        table = (torch.arange(blocks, device=device, dtype=torch.int32) if inorder else
+                 torch.randperm(blocks, device=device, dtype=torch.int32)).view(batch, -1)
     else:
         k_cache, v_cache = (torch.randn(batch, keys, hkv, 128, device=device, dtype=dtype)
                             for _ in range(2))
@@ -61,6 +71,8 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--only-rule", action="store_true",
                         help="run the rule's choice a few times and time nothing (for ncu)")
+    parser.add_argument("--time-rule", action="store_true",
+                        help="time the rule's choice alone, no candidates")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("tools.kvcache_tiles needs a CUDA GPU")
@@ -72,7 +84,8 @@ def main() -> int:
     timing = Timing()
     for name in args.cells.split(","):
         batch, keys, heads, page, seqlen_q = CELLS[name]
-        q, k_cache, v_cache, table, seqlens = _cell_inputs(batch, keys, heads, page, seqlen_q)
+        q, k_cache, v_cache, table, seqlens = _cell_inputs(batch, keys, heads, page, seqlen_q,
+                                                           name.endswith("-inorder"))
         out = torch.empty_like(q)
         lse = torch.empty(batch, heads[0], seqlen_q, device="cuda", dtype=torch.float32)
         group = heads[0] // heads[1]
@@ -100,13 +113,14 @@ def main() -> int:
         nbytes = 2 * batch * keys * heads[1] * 128 * q.element_size()
         results = []
         candidates = [(rule.block_m, rule.block_n, rule.num_warps, rule.num_stages, rule_splits)]
-        for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
-            for factor in (0.5, 1, 2, 4):
-                tiles = kv.KvTiles(rule.block_m, block_n, warps, stages, "candidate")
-                splits = heur.kvcache_splits(batch=batch, heads_kv=heads[1], row_blocks=rows,
-                                             max_keys=keys, block_n=block_n, device=q.device)
-                candidates.append((rule.block_m, block_n, warps, stages,
-                                   max(1, min(256, round(splits * factor)))))
+        for block_n in () if args.time_rule else (32, 64, 128):
+            for warps, stages in itertools.product((4, 8), (2, 3, 4)):
+                for factor in (0.5, 1, 2, 4):
+                    splits = heur.kvcache_splits(batch=batch, heads_kv=heads[1],
+                                                 row_blocks=rows, max_keys=keys,
+                                                 block_n=block_n, device=q.device)
+                    candidates.append((rule.block_m, block_n, warps, stages,
+                                       max(1, min(256, round(splits * factor)))))
         seen = set()
         for i, (bm, bn, warps, stages, splits) in enumerate(candidates):
             key = (bm, bn, warps, stages, splits)
