@@ -497,8 +497,9 @@ def test_group_split_counts(heuristics, attn_params, monkeypatch):
 
 def test_group_split_heads_per_cta(heuristics, attn_params, monkeypatch):
     """[Note: CUDA group split]'s second rule: Llama 64/8 causal from 8k keys at D=128 (1024
-    CTAs: no split by the first rule) gives each CTA 2 query heads (4 splits); not at 4k keys,
-    not with a group of 4, not without a band, not in deterministic mode, not at D=64."""
+    CTAs: no split by the first rule) gives each CTA 2 query heads (4 splits), at D=64 and 256
+    too; not at 4k keys, not with a group of 4, not without a band, not in deterministic mode,
+    not at the unmeasured D=96 and 192."""
     monkeypatch.setattr(heuristics, "sm_count", lambda device: 132)
 
     def splits(hq, hkv, seqlen, d=128, **kw):  # 16k tokens, as the benchmark's grid
@@ -513,7 +514,10 @@ def test_group_split_heads_per_cta(heuristics, attn_params, monkeypatch):
     assert splits(32, 8, 8192, causal=True) == 1
     assert splits(64, 8, 8192) == 1
     assert splits(64, 8, 8192, causal=True, deterministic=True) == 1
-    assert splits(64, 8, 8192, d=64, causal=True) == 1
+    assert splits(64, 8, 8192, d=64, causal=True) == 4
+    assert splits(64, 8, 16384, d=256, causal=True) == 4
+    assert splits(64, 8, 8192, d=96, causal=True) == 1
+    assert splits(64, 8, 8192, d=192, causal=True) == 1
 
 
 def test_banded_small_head_dims_stay_on_cuda(heuristics, attn_params):

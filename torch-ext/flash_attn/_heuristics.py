@@ -140,21 +140,24 @@ def _banded(params: AttnParams) -> bool:
 # (docs/performance.md, Open gaps) is that a CTA walks all of its kv head's query heads: at
 # Llama 64/8 its steps span 8 heads' Q, dO and dQ, and the CTAs in flight drift apart across
 # heads. With a group of at least BANDED_SPLIT_MIN_GROUP under a band, from
-# BANDED_SPLIT_MIN_KEYS keys, the D=128 kernel's CTAs take at most BANDED_HEADS_PER_CTA query
-# heads each. Measured in one
-# build with the rule switched at run time (tools.ab_bench, two rounds, bwd, causal, H100,
-# cuDNN in every process as the anchor): Llama 64/8 (4 splits) 4k/8k/16k 442.6 -> 436.1,
+# BANDED_SPLIT_MIN_KEYS keys, the CTAs of the head dims in BANDED_SPLIT_DIMS take at most
+# BANDED_HEADS_PER_CTA query heads each. Measured at D=128 in one build with the rule
+# switched at run time (tools.ab_bench, two rounds, bwd, causal, H100, cuDNN in every
+# process as the anchor): Llama 64/8 (4 splits) 4k/8k/16k 442.6 -> 436.1,
 # 465.7 -> 484.8, 487.5 -> 535.2 TFLOP/s (-1.5/+4.1/+9.8%; cuDNN moved -1.5/-2.4/-0.4%);
 # GQA 32/8 (2 splits) level (-0.1/+0.4/+0.9%), so a group of 4 keeps one CTA per kv head.
 # The fp32 dK/dV adds 2 x 4 bytes per K element to the backward's peak (+128 MiB at these
-# shapes: 844 -> 972 MiB at Llama 16k, against cuDNN's 1348). Other head dims: unmeasured.
+# shapes: 844 -> 972 MiB at Llama 16k, against cuDNN's 1348). At D=64 and 256 the same A/B
+# (H200, Llama 64/8 causal 8k/16k): D=256 305.1 -> 328.1 and 307.0 -> 334.2 TFLOP/s (+7.5/+8.9%,
+# cuDNN +0.1/+0.1%), D=64 403.4 -> 416.3 and 436.7 -> 441.8 (+3.2/+1.2%, cuDNN +0.4/+1.7%).
+# D=96 and 192: unmeasured.
 # The first rule's splits (MQA and other short grids) went from the sum to the adds without
 # a new timing; the deterministic mode keeps the sum.
 GROUP_SPLIT = True
 BANDED_SPLIT_MIN_GROUP = 8
 BANDED_SPLIT_MIN_KEYS = 8192
 BANDED_HEADS_PER_CTA = 2
-BANDED_SPLIT_DIMS = (128,)  # compiled backward head dims where the rule was measured
+BANDED_SPLIT_DIMS = (64, 128, 256)  # compiled backward head dims where the rule was measured
 
 
 def bwd_kernel_dim(head_dim: int) -> int:
