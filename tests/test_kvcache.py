@@ -303,6 +303,30 @@ def test_triton_splits_match_oracle_and_repeat_bitwise(flash_attn, triton_device
     assert torch.equal(first, second)
 
 
+def test_split_rule_fills_two_programs_per_sm_only_for_16_row_gathers(flash_attn, monkeypatch):
+    """The kv-cache split rule on a Hopper-sized GPU (132 SMs; CPU tensors, so the capability
+    and SM count are patched): a 16-row tile over 16-key pages (the per-key gather) fills two
+    programs per SM, so B=1 over 32k keys at GQA 32/8 takes 33 splits instead of 16; a 64-row
+    gather tile, a page that holds whole key blocks and a contiguous cache keep one."""
+    kv = submodule(flash_attn, "_triton.kvcache")
+    heuristics = submodule(flash_attn, "_heuristics")
+    monkeypatch.setattr(kv, "hopper_or_later", lambda device: True)
+    monkeypatch.setattr(heuristics, "sm_count", lambda device: 132)
+    gpu = torch.device("cuda")
+
+    def splits(packed_rows, page_size):
+        tiles = kv.tiles_for(128, packed_rows, gpu, page_size=page_size)
+        return tiles.block_n, heuristics.kvcache_splits(
+            batch=1, heads_kv=8, row_blocks=max(1, packed_rows // tiles.block_m),
+            max_keys=32768, block_n=tiles.block_n, device=gpu,
+            programs_per_sm=tiles.programs_per_sm)
+
+    assert splits(4, 16) == (128, 33)
+    assert splits(64, 16) == (128, 16)
+    assert splits(4, 64) == (64, 16)
+    assert splits(4, 0) == (64, 16)
+
+
 # Appends of many new keys (chunked prefill): new-key tiles across key blocks, row blocks and
 # splits, the queries fewer than the new keys or as many, with each rotary layout.
 LONG_APPENDS = {

@@ -104,7 +104,8 @@ def main() -> int:
         rule = kv.tiles_for(128, group * seqlen_q, q.device, page_size=page)
         rows = math.ceil(group * seqlen_q / rule.block_m)
         rule_splits = heur.kvcache_splits(batch=batch, heads_kv=heads[1], row_blocks=rows,
-                                          max_keys=keys, block_n=rule.block_n, device=q.device)
+                                          max_keys=keys, block_n=rule.block_n, device=q.device,
+                                          programs_per_sm=rule.programs_per_sm)
         if args.only_rule:
             for _ in range(3):
                 run(rule, rule_splits)
@@ -118,7 +119,8 @@ def main() -> int:
                 for factor in (0.5, 1, 2, 4):
                     splits = heur.kvcache_splits(batch=batch, heads_kv=heads[1],
                                                  row_blocks=rows, max_keys=keys,
-                                                 block_n=block_n, device=q.device)
+                                                 block_n=block_n, device=q.device,
+                                                 programs_per_sm=rule.programs_per_sm)
                     candidates.append((rule.block_m, block_n, warps, stages,
                                        max(1, min(256, round(splits * factor)))))
         seen = set()

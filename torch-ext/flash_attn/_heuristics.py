@@ -311,17 +311,27 @@ def backward_prefers_triton(q: torch.Tensor, k: torch.Tensor, params: AttnParams
 # over 4k 1 split (177 against 190 at 2); B=1 Sq=16 page 16 16 splits (59 against 68 at 33).
 # Before that fix, when the combine walked the splits one by one, four programs per SM had
 # cost up to 1.8x.
+# The per-key gather of pages that do not hold whole key blocks (``_triton/kvcache.tiles_for``:
+# 128-key steps on Hopper) fills two programs per SM instead with 16-row tiles
+# (KVCACHE_GATHER_PROGRAMS_PER_SM). Measured on an H200 (tools/kvcache_tiles.py, GQA 32/8,
+# D=128, bf16, graph-timed), B=1 over 32k keys in 16-key pages: Sq=1 (16 rows) 16 splits
+# 53.1 us, 32 splits 40.3 (a contiguous cache: 40.6 at 16), and the same with the pages in
+# order (53.1 and 39.5), so that gap to a contiguous cache was the split count, not the pages'
+# addresses; Sq=16 (64 rows) 16 splits 51.3 us, 32 57.9, and B=8 Sq=16 2 splits 337 us, 4
+# 346, so 64-row tiles keep one program per SM. Other cells of the rule: unmeasured.
 KVCACHE_PROGRAMS_PER_SM = 1
+KVCACHE_GATHER_PROGRAMS_PER_SM = 2
 KVCACHE_MIN_SPLIT_BLOCKS = 4
 KVCACHE_MAX_SPLITS = 64
 
 
 def kvcache_splits(*, batch: int, heads_kv: int, row_blocks: int, max_keys: int, block_n: int,
-                   device: torch.device) -> int:
+                   device: torch.device, programs_per_sm: int = KVCACHE_PROGRAMS_PER_SM) -> int:
     """Key splits of a kv-cache call from its sizes alone (never from lengths on the device,
     so a captured CUDA graph stays valid): ``batch * heads_kv * row_blocks`` programs without
-    a split; ``max_keys`` bounds any sequence's keys (the cache capacity)."""
+    a split, ``programs_per_sm`` the tile's target (``KvTiles.programs_per_sm``); ``max_keys``
+    bounds any sequence's keys (the cache capacity)."""
     programs = max(1, batch * heads_kv * row_blocks)
-    wanted = KVCACHE_PROGRAMS_PER_SM * sm_count(device) // programs
+    wanted = programs_per_sm * sm_count(device) // programs
     by_length = -(-max_keys // (block_n * KVCACHE_MIN_SPLIT_BLOCKS))
     return max(1, min(wanted, by_length, KVCACHE_MAX_SPLITS))

@@ -80,7 +80,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .._heuristics import hopper_or_later, kvcache_splits
+from .._heuristics import (KVCACHE_GATHER_PROGRAMS_PER_SM, KVCACHE_PROGRAMS_PER_SM,
+                           hopper_or_later, kvcache_splits)
 from .._params import KvCacheParams
 from .common import (LOG2E, combine_launch, key_block_range, score_constants, scores_log2,
                      visible)
@@ -97,6 +98,7 @@ class KvTiles:
     num_warps: int
     num_stages: int
     reason: str
+    programs_per_sm: int = KVCACHE_PROGRAMS_PER_SM  # what the split count fills (kvcache_splits)
 
 
 def tiles_for(head_dim: int, packed_rows: int, device: torch.device, *,
@@ -127,6 +129,9 @@ def tiles_for(head_dim: int, packed_rows: int, device: torch.device, *,
     if page_size and page_size % block_n and head_dim <= 128 and hopper:
         block_n = 128
         stages = 3 if block_m >= 64 else 2
+        return KvTiles(block_m, block_n, 4, stages, "measured on an H100 and an H200",
+                       KVCACHE_GATHER_PROGRAMS_PER_SM if block_m == 16 else
+                       KVCACHE_PROGRAMS_PER_SM)
     return KvTiles(block_m, block_n, 4, stages, "measured on an H100")
 
 
@@ -538,7 +543,7 @@ def _make_plan(q, k_cache, v_cache, out, lse, k, v, rotary_cos, rotary_sin, cach
     row_blocks = max(1, triton.cdiv(group * params.max_seqlen_q, cfg.block_m))
     splits = params.num_splits or kvcache_splits(
         batch=batch, heads_kv=heads_kv, row_blocks=row_blocks, max_keys=params.max_seqlen_k,
-        block_n=cfg.block_n, device=q.device)
+        block_n=cfg.block_n, device=q.device, programs_per_sm=cfg.programs_per_sm)
     splits = max(1, min(splits, triton.cdiv(max(params.max_seqlen_k, 1), cfg.block_n)))
     if tokens == 0:
         splits = 1  # nothing to combine
