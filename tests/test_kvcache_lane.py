@@ -236,6 +236,33 @@ def test_lane_gives_way(flash_attn, lanes, monkeypatch, change):
     assert lanes.checks, "the call went through the lane"
 
 
+ENVIRONMENT_CHANGES = {"FLASH_ATTN_HUB_CHECK_VALUES": "1", "FLASH_ATTN_HUB_BACKEND": "triton",
+                       "FLASH_ATTN_HUB_POISON": "1"}
+
+
+@pytest.mark.parametrize("name", list(ENVIRONMENT_CHANGES))
+def test_lane_follows_the_environment(flash_attn, lanes, monkeypatch, name):
+    """After a variable the lane reads changes, the first call takes the full path and makes
+    the shape's lane again under the new environment: the next call goes through it, and so
+    after the variable changes back. The shape keeps one lane."""
+    torch.manual_seed(0)
+    args, _ = build(Case(page_size=16, lengths=(14, 30), seqlen_new=1), "cpu")
+    monkeypatch.delenv(name, raising=False)
+    _call(flash_attn, args, 2)
+    for value in (ENVIRONMENT_CHANGES[name], None):
+        if value is None:
+            monkeypatch.delenv(name)
+        else:
+            monkeypatch.setenv(name, value)
+        lanes.checks.clear()
+        _call(flash_attn, args, 2)
+        assert len(lanes.checks) == 1, "the first call under the new environment: full path"
+        lanes.launches.clear()
+        _call(flash_attn, args, 2)
+        assert len(lanes.checks) == 1, "the next call: through the lane made under it"
+        assert lanes.launches and len(lanes.kvcache._lanes) == 1
+
+
 @pytest.mark.parametrize("edit", ["int_seqlens", "column_major_table", "strided_seqlens",
                                   "sinks_bf16"])
 def test_no_lane_when_the_full_path_converts(flash_attn, lanes, edit):

@@ -511,7 +511,10 @@ def _checked_call(tensors: tuple, scalars: tuple, key) -> _Call:
 # rows), which the key's dtypes, shapes and strides then fix for every call with that key.
 # What the launches read besides (device, Triton's state, alignment) the lane checks itself,
 # returning None when the call must take the full path. ``_lanes[key]`` is ``(environment,
-# whether values are checked, the call's checked metadata, lane)``.
+# whether values are checked, the call's checked metadata, lane)``. A call under another
+# environment than its lane's takes the full path, which then replaces the lane with one made
+# under the environment of now: a loop that sets a variable after its first steps (value
+# checks off once the first step has passed them, say) gets a lane again on its next call.
 _lanes: dict = {}
 _LANE_DEVICES = ("cuda",)
 _LANE_ENV = (_dispatch.ENV_BACKEND, ENV_CHECK_VALUES, _custom_ops.ENV_POISON)
@@ -551,8 +554,13 @@ _capturing = (torch.cuda.is_current_stream_capturing if torch.backends.cuda.is_b
 
 def _keep_lane(key, tensors: tuple, converted: tuple, call: _Call, out: Tensor,
                lse: Tensor) -> None:
-    """Makes and keeps the lane of a call that has just run ([Note: lanes])."""
-    if (key is None or key in _lanes or tensors[0].device.type not in _LANE_DEVICES
+    """Makes and keeps the lane of a call that has just run ([Note: lanes]), unless its key
+    holds one made under the same environment."""
+    if key is None:
+        return
+    held = _lanes.get(key)
+    if (held is not None and held[0] == _environment()
+            or tensors[0].device.type not in _LANE_DEVICES
             or any(a is not b for a, b in zip(tensors, converted))
             or not _custom_ops._direct(tensors)):
         return
@@ -568,7 +576,7 @@ def _keep_lane(key, tensors: tuple, converted: tuple, call: _Call, out: Tensor,
                 params=call.params, poison=os.environ.get(_custom_ops.ENV_POISON) == "1",
                 return_lse=call.return_lse)
     if lane is not None:
-        if len(_lanes) >= _MAX_CALLS:
+        if held is None and len(_lanes) >= _MAX_CALLS:
             _lanes.clear()
         _lanes[key] = (_environment(),
                        os.environ.get(ENV_CHECK_VALUES) != "0",  # whether values are checked
