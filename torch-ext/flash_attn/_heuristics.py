@@ -318,7 +318,11 @@ def backward_prefers_triton(q: torch.Tensor, k: torch.Tensor, params: AttnParams
 # 53.1 us, 32 splits 40.3 (a contiguous cache: 40.6 at 16), and the same with the pages in
 # order (53.1 and 39.5), so that gap to a contiguous cache was the split count, not the pages'
 # addresses; Sq=16 (64 rows) 16 splits 51.3 us, 32 57.9, and B=8 Sq=16 2 splits 337 us, 4
-# 346, so 64-row tiles keep one program per SM. Other cells of the rule: unmeasured.
+# 346, so 64-row tiles keep one program per SM. On an H100 (tools/ab_bench.py, the target
+# switched at run time, two rounds), two programs per SM ran 1.01-1.27x one on every 16-key
+# page cell at B=1 and 8 with Sq=1 or 4 (GQA 32/8 and 64/8, 4k-128k keys), while a contiguous
+# cache at two ran 0.96-1.00x one (B=1 and 8, Sq=1), so it keeps one. 32-row gather tiles
+# (Sq=8 at GQA 32/8): unmeasured.
 KVCACHE_PROGRAMS_PER_SM = 1
 KVCACHE_GATHER_PROGRAMS_PER_SM = 2
 KVCACHE_MIN_SPLIT_BLOCKS = 4
