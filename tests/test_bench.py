@@ -585,6 +585,14 @@ def test_page_is_replaced_or_added_to(tmp_path):
     assert "NVIDIA H200" in text and "cuDNN 9.19.0" in text and "triton 3.6.0" in text and "89abcde" in text
     assert "(flash-attn-4) 4.0" not in text  # installed, but not measured on this page
     assert report.mismatches(merged, [dict(ENV, gpu="NVIDIA A100")]) == {"gpu": ["NVIDIA H200", "NVIDIA A100"]}
+    # a peer's version clashes only where that peer is measured: on the page or in the command
+    assert report.mismatches(merged, [dict(ENV, flashinfer="0.7.4")], ["ours-triton"]) == {}
+    assert report.mismatches(merged, [dict(ENV, flashinfer="0.7.4")], ["flashinfer"]) == {
+        "flashinfer": ["", "0.7.4"]}
+    assert report.mismatches(merged, [dict(ENV, fa4="4.0.0b40")], ["ours-triton"]) == {}
+    with_fa4 = merged + [dict(merged[-1], provider="fa4")]
+    assert report.mismatches(with_fa4, [dict(ENV, fa4="4.0.0b40")], ["ours-triton"]) == {
+        "fa4": ["4.0.0b36", "4.0.0b40"]}
     with pytest.raises(report.PageError, match="no results.csv"):
         report.load(tmp_path / "nothing")
 

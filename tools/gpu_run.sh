@@ -146,7 +146,10 @@ for phase in "${phases[@]}"; do
       # tools/ab_bench.py: AB_ARGS holds its flags, then -- and bench's (e.g. "--variant
       # old=FAH_X=0 --variant new= --rounds 2 -- --grid main --modes bwd --head-dims 128
       # --providers ours-cuda,sdpa-cudnn"); the pages and summary.csv go back as $OUT/ab.tgz.
-      # AB_ARGS is split on white space and nothing else: quotes inside it stay literal.
+      # AB_ARGS is split on white space and nothing else: quotes inside it stay literal. A value
+      # that starts with "-" takes the --flag=value form (--match=-b1-sq1-.*page16). A lab copy of
+      # build/ for run-time variants belongs outside the tree (/tmp/lab): an untracked folder in
+      # the repository is not kept between calls.
       rm -rf /tmp/ab
       # shellcheck disable=SC2086
       run_phase ab timeout "${AB_TIMEOUT:-570}" python3 -m tools.ab_bench --out /tmp/ab ${AB_ARGS:-}

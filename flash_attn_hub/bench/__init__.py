@@ -195,7 +195,7 @@ def run(args) -> int:
     argv = getattr(args, "argv", None) or []
     env["command"] = "python -m flash_attn_hub bench " + " ".join(
         a for a in argv[1:] if a != "--no-progress") if argv[:1] == ["bench"] else None
-    clash = mismatches(old_records, [env])
+    clash = mismatches(old_records, [env], names)
     if clash:
         print(f"--append: {args.into} was measured elsewhere ({clash}); measure the whole page here instead")
         return 2

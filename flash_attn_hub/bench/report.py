@@ -52,10 +52,20 @@ def env_of(records: list[dict]) -> dict:
     return out
 
 
-def mismatches(old: list[dict], new: list[dict]) -> dict[str, list]:
-    """``SAME_MACHINE`` fields on which the rows of ``old`` and ``new`` disagree."""
+# The SAME_MACHINE fields that are a peer's package version, with the peer's provider name: such
+# a version matters only to a page on which that peer is measured (FlashInfer, say, installed
+# between two commands of a page that never runs it).
+PEER_VERSIONS = {"fa4": "fa4", "flashinfer": "flashinfer"}
+
+
+def mismatches(old: list[dict], new: list[dict], providers=()) -> dict[str, list]:
+    """``SAME_MACHINE`` fields on which the rows of ``old`` and ``new`` disagree; a peer's
+    version only where that peer has rows in ``old`` or is among the ``providers`` to run."""
+    measured = {r.get("provider") for r in old} | set(providers)
     out = {}
     for key in SAME_MACHINE:
+        if key in PEER_VERSIONS and PEER_VERSIONS[key] not in measured:
+            continue
         values = list(dict.fromkeys(str(r.get(key) or "") for r in old + new))
         if len(values) > 1:
             out[key] = values
