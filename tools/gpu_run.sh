@@ -101,7 +101,9 @@ for phase in "${phases[@]}"; do
         export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fiws}
       fi
       nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-      python3 -c "import torch, triton, kernels, huggingface_hub, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'triton', triton.__version__, 'kernels', kernels.__version__, 'hf_hub', huggingface_hub.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+      # Versions from the installed metadata: importing transformers fails when the image's copy
+      # does not accept the carried huggingface_hub (the train and hub phases need the carried one).
+      python3 -c "import torch; from importlib.metadata import version as v; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), *(f'{n} {v(n)}' for n in ('triton', 'kernels', 'huggingface_hub', 'transformers')))" | tee -a "$OUT/gpu.txt"
       python3 -c "from flash_attn.cute import flash_attn_func; from importlib.metadata import version; print('flash-attn-4', version('flash-attn-4'))" 2>/dev/null | tee -a "$OUT/gpu.txt"
       python3 -c "import flashinfer; from importlib.metadata import version; print('flashinfer-python', version('flashinfer-python'))" 2>/dev/null | tee -a "$OUT/gpu.txt"
       ;;
