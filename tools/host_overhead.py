@@ -17,7 +17,8 @@ negligible, so ``calls / wall time`` is the host's rate. Per provider it prints:
 ``--kvcache`` times a decode step instead: ``flash_attn_with_kvcache`` appending one token to a
 contiguous and a page-16 cache (value checks on and off), against SDPA reading the same
 contiguous cache, alone and after writing the new token into it (``index_copy_``, a static
-cache's update: the same work as our call, which appends), and profiles ours.
+cache's update: the same work as our call, which appends), and profiles ours. Each of ours
+says how many of its eager calls (warm-up included) took the full path instead of the lane.
 
 Environment variables (ours) and the SDPA backend are set once around each provider's timing,
 not inside the timed call.
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import importlib
 import io
 import json
 import pstats
@@ -50,8 +52,11 @@ from .kernel_times import kernel_profile
 
 
 
+WARMUP = 20  # untimed calls before each eager timing
+
+
 def per_call_us(fn, calls: int) -> float:
-    for _ in range(20):
+    for _ in range(WARMUP):
         fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -92,10 +97,13 @@ def profile_text(fn, calls: int, lines: int) -> str:
 
 class Timed:
     """A call to time, with what it runs under: environment variables and, for SDPA, one
-    backend, set once around the timing loop so that neither is part of the call's time."""
+    backend, set once around the timing loop so that neither is part of the call's time.
+    ``counted`` (a module and a function name in it) names a function whose calls during the
+    eager timing are counted and reported: for ours, the kv-cache full path's
+    ``_checked_call``, so a row says whether its calls went through the lane."""
 
-    def __init__(self, fn, *, env: dict | None = None, sdpa=None):
-        self.fn, self.env, self.sdpa = fn, env or {}, sdpa
+    def __init__(self, fn, *, env: dict | None = None, sdpa=None, counted=None):
+        self.fn, self.env, self.sdpa, self.counted = fn, env or {}, sdpa, counted
 
     def __call__(self):
         return self.fn()
@@ -106,6 +114,26 @@ class Timed:
         with environ(**self.env), backend:
             yield
 
+    @contextlib.contextmanager
+    def counting(self):
+        """Yields a one-item list that counts the calls of ``counted`` inside the block (None
+        when nothing is counted)."""
+        if self.counted is None:
+            yield None
+            return
+        module, name = self.counted
+        real, count = getattr(module, name), [0]
+
+        def wrapper(*args, **kwargs):
+            count[0] += 1
+            return real(*args, **kwargs)
+
+        setattr(module, name, wrapper)
+        try:
+            yield count
+        finally:
+            setattr(module, name, real)
+
 
 def report(providers: dict, shape: str, args, *, no_graph: str, profiled) -> None:
     """Prints (and with ``--out`` writes) each :class:`Timed`'s eager and graph time per
@@ -115,11 +143,14 @@ def report(providers: dict, shape: str, args, *, no_graph: str, profiled) -> Non
     results = {"shape": shape, "gpu": torch.cuda.get_device_name(), "rows": []}
     for name, fn in providers.items():
         with fn.setting():
-            eager = per_call_us(fn, args.calls)
+            with fn.counting() as full:
+                eager = per_call_us(fn, args.calls)
             graph = graph_us(fn, args.calls) if no_graph not in name else None
             graph_text = f"{graph:8.1f}" if graph is not None else "       -"
-            print(f"  {name:28s} eager {eager:8.1f} us   graph {graph_text} us")
-            row = {"provider": name, "eager_us": eager, "graph_us": graph}
+            path = "" if full is None else f"   full path {full[0]}/{args.calls + WARMUP}"
+            print(f"  {name:28s} eager {eager:8.1f} us   graph {graph_text} us{path}")
+            row = {"provider": name, "eager_us": eager, "graph_us": graph,
+                   "full_path_calls": None if full is None else full[0]}
             if args.kernels and no_graph not in name:
                 row["kernels"] = kernel_profile(fn, 200)
                 for kernel, us, launches in row["kernels"]:
@@ -214,6 +245,7 @@ def kvcache_main(fa, args) -> int:
     kt, vt = (c[:, :sk].transpose(1, 2) for c in (k_cache, v_cache))
 
     position = seqlens.to(torch.int64)  # where an SDPA decode step writes its new token
+    kvcache_module = importlib.import_module(fa.__name__ + ".kvcache")
 
     def ours(paged: bool, checks: bool):
         def call():
@@ -222,7 +254,8 @@ def kvcache_main(fa, args) -> int:
                                                   cache_seqlens=seqlens, block_table=table)
             return fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
                                               cache_seqlens=seqlens)
-        return Timed(call, env={"FLASH_ATTN_HUB_CHECK_VALUES": "1" if checks else "0"})
+        return Timed(call, env={"FLASH_ATTN_HUB_CHECK_VALUES": "1" if checks else "0"},
+                     counted=(kvcache_module, "_checked_call"))
 
     def sdpa(backend, append: bool = False):
         def call():
