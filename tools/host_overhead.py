@@ -51,7 +51,6 @@ from flash_attn_hub.bench.providers import environ
 from .kernel_times import kernel_profile
 
 
-
 WARMUP = 20  # untimed calls before each eager timing
 
 
