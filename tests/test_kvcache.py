@@ -303,28 +303,37 @@ def test_triton_splits_match_oracle_and_repeat_bitwise(flash_attn, triton_device
     assert torch.equal(first, second)
 
 
-def test_split_rule_fills_two_programs_per_sm_only_for_16_row_gathers(flash_attn, monkeypatch):
+def test_split_rule_fills_two_programs_per_sm_only_for_small_gathers(flash_attn, monkeypatch):
     """The kv-cache split rule on a Hopper-sized GPU (132 SMs; CPU tensors, so the capability
-    and SM count are patched): a 16-row tile over 16-key pages (the per-key gather) fills two
-    programs per SM, so B=1 over 32k keys at GQA 32/8 takes 33 splits instead of 16; a 64-row
-    gather tile, a page that holds whole key blocks and a contiguous cache keep one."""
+    and SM count are patched): a tile of up to 32 rows over 16-key pages (the per-key gather)
+    fills two programs per SM, so B=1 over 32k keys at GQA 32/8 takes 33 splits instead of 16
+    (Sq=1 and Sq=8); a 64-row gather tile, a page that holds whole key blocks and a contiguous
+    cache keep one. A split may hold 256 keys, two of the gather's 128-key steps, so one
+    sequence of 4k keys splits 16 ways as a contiguous cache does (not 8)."""
     kv = submodule(flash_attn, "_triton.kvcache")
     heuristics = submodule(flash_attn, "_heuristics")
     monkeypatch.setattr(kv, "hopper_or_later", lambda device: True)
     monkeypatch.setattr(heuristics, "sm_count", lambda device: 132)
     gpu = torch.device("cuda")
 
-    def splits(packed_rows, page_size):
+    def splits(packed_rows, page_size, max_keys=32768, batch=1):
         tiles = kv.tiles_for(128, packed_rows, gpu, page_size=page_size)
         return tiles.block_n, heuristics.kvcache_splits(
-            batch=1, heads_kv=8, row_blocks=max(1, packed_rows // tiles.block_m),
-            max_keys=32768, block_n=tiles.block_n, device=gpu,
+            batch=batch, heads_kv=8, row_blocks=max(1, packed_rows // tiles.block_m),
+            max_keys=max_keys, block_n=tiles.block_n, device=gpu,
             programs_per_sm=tiles.programs_per_sm)
 
     assert splits(4, 16) == (128, 33)
+    assert splits(32, 16) == (128, 33)
+    assert splits(32, 16, batch=8) == (128, 4)
     assert splits(64, 16) == (128, 16)
     assert splits(4, 64) == (64, 16)
     assert splits(4, 0) == (64, 16)
+    assert splits(32, 0, batch=8) == (64, 2)
+    assert splits(4, 16, max_keys=4096) == (128, 16)
+    assert splits(64, 16, max_keys=4096) == (128, 16)
+    assert splits(4, 0, max_keys=4096) == (64, 16)
+    assert splits(4, 0, max_keys=512) == (64, 2)
 
 
 # Appends of many new keys (chunked prefill): new-key tiles across key blocks, row blocks and

@@ -80,8 +80,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .._heuristics import (KVCACHE_GATHER_PROGRAMS_PER_SM, KVCACHE_PROGRAMS_PER_SM,
-                           hopper_or_later, kvcache_splits)
+from .._heuristics import (KVCACHE_GATHER_PROGRAMS_PER_SM, KVCACHE_GATHER_ROWS,
+                           KVCACHE_PROGRAMS_PER_SM, hopper_or_later, kvcache_splits)
 from .._params import KvCacheParams
 from .common import (LOG2E, combine_launch, key_block_range, score_constants, scores_log2,
                      visible)
@@ -130,7 +130,7 @@ def tiles_for(head_dim: int, packed_rows: int, device: torch.device, *,
         block_n = 128
         stages = 3 if block_m >= 64 else 2
         return KvTiles(block_m, block_n, 4, stages, "measured on an H100 and an H200",
-                       KVCACHE_GATHER_PROGRAMS_PER_SM if block_m == 16 else
+                       KVCACHE_GATHER_PROGRAMS_PER_SM if block_m <= KVCACHE_GATHER_ROWS else
                        KVCACHE_PROGRAMS_PER_SM)
     return KvTiles(block_m, block_n, 4, stages, "measured on an H100")
 
