@@ -44,7 +44,8 @@ def test_buckets(tuning):
 
 def test_lookup_order(tuning, tmp_path):
     """Exact (gpu, block_d, bucket), then the nearest bucket of that GPU and block_d, then the
-    in-code default of the arch; other GPUs' entries are never used."""
+    in-code default of the arch; other GPUs' entries are never used (but a table's reference
+    GPU's: test_lookup_falls_back_to_the_reference_gpu)."""
     path = tmp_path / "t.json"
     entries = [tuning.entry_of(Tiles(64, 32, True, "m1"), gpu="G", block_d=128, bucket=1024),
                tuning.entry_of(Tiles(128, 64, False, "m16"), gpu="G", block_d=128, bucket=16384)]
@@ -58,6 +59,32 @@ def test_lookup_order(tuning, tmp_path):
     assert table.lookup("sm90", "G", 64, 4096).reason == "default64"
     assert table.lookup("sm90", "other GPU", 128, 1024).reason == "default"
     assert table.lookup("sm90", "", 128, 1024).reason == "default"
+
+
+def test_lookup_falls_back_to_the_reference_gpu(tuning, tmp_path):
+    """In a table with a reference GPU for the arch, a GPU without entries of its own for a
+    width takes the reference's, bucket by bucket (so a short sequence gets the reference's
+    short-sequence row, not the one in-code row); its own entries, at any bucket, come first;
+    other archs, and tables without a reference, keep their defaults."""
+    path = tmp_path / "t.json"
+    entries = [tuning.entry_of(Tiles(64, 32, True, "r1"), gpu="R", block_d=128, bucket=1024),
+               tuning.entry_of(Tiles(128, 64, False, "r4"), gpu="R", block_d=128, bucket=4096),
+               tuning.entry_of(Tiles(32, 32, False, "r64"), gpu="R", block_d=64, bucket=4096),
+               tuning.entry_of(Tiles(128, 32, True, "own"), gpu="G", block_d=64, bucket=16384)]
+    tuning.write_entries(path, "forward", entries)
+    defaults = {(arch, d): Tiles(16, 16, False, f"default-{arch}")
+                for arch in ("sm90", "sm80") for d in (64, 128, 256)}
+    without = tuning.TileTable("forward", path, defaults, Tiles)
+    assert without.lookup("sm90", "G", 128, 1024).reason == "default-sm90"
+    table = tuning.TileTable("forward", path, defaults, Tiles, reference_gpus={"sm90": "R"})
+    assert table.lookup("sm90", "G", 128, 1024).reason == "r1"
+    assert table.lookup("sm90", "G", 128, 4096).reason == "r4"
+    assert table.lookup("sm90", "G", 128, 16384).reason == "r4"  # the reference's nearest
+    assert table.lookup("sm90", "G", 64, 1024).reason == "own"  # its own nearest first
+    assert table.lookup("sm90", "other", 64, 1024).reason == "r64"
+    assert table.lookup("sm90", "G", 256, 4096).reason == "default-sm90"
+    assert table.lookup("sm80", "G", 128, 1024).reason == "default-sm80"
+    assert table.lookup("sm80", "A100", 128, 1024).reason == "default-sm80"
 
 
 def test_lookup_of_a_narrower_width(tuning, tmp_path):

@@ -22,9 +22,11 @@ Lookup for a call (head dim, longer of max_seqlen_q / max_seqlen_k, device): the
 for (gpu, width, bucket); else the file's entry for (gpu, width) at the nearest bucket it
 holds; else the same two for the padded width ``block_d`` when the kernel runs the head dim
 narrower (the forward's split, [Note: split head dim]: D=192 runs 128 + 64 columns, width
-192, and falls back to the 256 entries until 192 has its own); else
-``defaults[(arch, block_d)]``. The file is read once per process and each lookup is cached, so
-a call costs two dictionary hits; nothing is timed at import or on a first call.
+192, and falls back to the 256 entries until 192 has its own); else the same for the table's
+reference GPU of the arch (``TileTable.reference_gpus``: whose rows were measured to carry over
+to the arch's other GPUs); else ``defaults[(arch, block_d)]``. The file is read once per
+process and each lookup is cached, so a call costs two dictionary hits; nothing is timed at
+import or on a first call.
 """
 
 from __future__ import annotations
@@ -142,6 +144,10 @@ class TileTable:
     path: Path
     defaults: dict
     config_type: type
+    # arch -> the GPU whose measured rows a GPU of that arch without rows of its own takes,
+    # bucket by bucket, before the in-code defaults (one row per head dim, which cannot say
+    # that short sequences want other tiles); only where that was measured on another GPU
+    reference_gpus: dict = dataclasses.field(default_factory=dict)
 
     def measured(self) -> dict:
         return _measured(self.path, self.config_type)
@@ -154,14 +160,15 @@ class TileTable:
         """The config for one key (see the module docstring for the order), cached. ``width``:
         the columns the kernel runs when narrower than ``block_d`` (its own entries first)."""
         measured = self.measured()
-        for d in dict.fromkeys((width or block_d, block_d)):
-            if gpu and (gpu, d, bucket) in measured:
-                return measured[(gpu, d, bucket)]
-            near = [b for g, dd, b in measured if g == gpu and dd == d] if gpu else []
-            if near:
-                # Nearest bucket on a log scale; on a tie the longer one (the tuner's default).
-                nearest = min(near, key=lambda b: (abs(math.log2(b / bucket)), -b))
-                return measured[(gpu, d, nearest)]
+        for g in filter(None, dict.fromkeys((gpu, self.reference_gpus.get(arch)))):
+            for d in dict.fromkeys((width or block_d, block_d)):
+                if (g, d, bucket) in measured:
+                    return measured[(g, d, bucket)]
+                near = [b for gg, dd, b in measured if gg == g and dd == d]
+                if near:
+                    # Nearest bucket on a log scale; on a tie the longer one (the tuner's default).
+                    nearest = min(near, key=lambda b: (abs(math.log2(b / bucket)), -b))
+                    return measured[(g, d, nearest)]
         return self.defaults[(arch, block_d)]
 
     def for_call(self, device: torch.device, head_dim: int, seqlen: int,
