@@ -600,6 +600,54 @@ def test_value_checks_skip_when_told(flash_attn, monkeypatch):
         assert not kvcache._checking_values(torch.zeros(1, dtype=torch.int32, device="cuda"))
 
 
+def test_value_checks_run_once_per_version(flash_attn, monkeypatch):
+    """[Note: value checks], once per version: the layers of a decode step (the same
+    cache_seqlens and block_table objects, unchanged) are checked once; an in-place change
+    through torch, through a view too, or another tensor of the same values is checked again,
+    and a value made bad in place raises naming its argument; inference tensors are checked
+    every call."""
+    kvcache = submodule(flash_attn, "kvcache")
+    checks = []
+    real = kvcache._bad_table_entries
+    monkeypatch.setattr(kvcache, "_bad_table_entries", lambda *a: checks.append(1) or real(*a))
+    torch.manual_seed(0)
+    args, _ = build(Case(page_size=4, lengths=(5, 6, 2)), "cpu")
+    base = args["cache_seqlens"].repeat(2)
+    args["cache_seqlens"] = lengths = base[:3]  # a view, as a batch slot's slice of a buffer
+    for _ in range(3):  # three layers of one step
+        flash_attn.flash_attn_with_kvcache(**args)
+    assert len(checks) == 1
+    base[0] += 1  # the next step, through the buffer the lengths are a view of
+    flash_attn.flash_attn_with_kvcache(**args)
+    flash_attn.flash_attn_with_kvcache(**args)
+    assert len(checks) == 2
+    flash_attn.flash_attn_with_kvcache(**{**args, "cache_seqlens": lengths.clone()})
+    assert len(checks) == 3
+    flash_attn.flash_attn_with_kvcache(**args)  # not the tensor of the last passed call
+    flash_attn.flash_attn_with_kvcache(**{**args, "num_splits": 2})  # sizes unchanged
+    assert len(checks) == 4
+    flash_attn.flash_attn_with_kvcache(**{**args, "k": None, "v": None})  # no new keys
+    assert len(checks) == 5
+    capacity = args["block_table"].shape[1] * args["k_cache"].shape[1]
+    lengths[1] = capacity + 1
+    for _ in range(2):
+        with pytest.raises(ValueError, match="^cache_seqlens: got "):
+            flash_attn.flash_attn_with_kvcache(**args)
+    lengths[1] = 6
+    args["block_table"][0, 0] = args["k_cache"].shape[0]
+    with pytest.raises(ValueError, match="^block_table: got "):
+        flash_attn.flash_attn_with_kvcache(**args)
+    with torch.inference_mode():
+        lengths = args["cache_seqlens"].clone()
+        table = args["block_table"].clone()
+        table[0, 0] = 0
+        before = len(checks)
+        for _ in range(2):
+            flash_attn.flash_attn_with_kvcache(**{**args, "cache_seqlens": lengths,
+                                                  "block_table": table})
+        assert len(checks) == before + 2
+
+
 # ---------------------------------------------------------------------------------------------
 # Paged prefill: flash_attn_varlen_func(..., block_table=).
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ negligible, so ``calls / wall time`` is the host's rate. Per provider it prints:
     python3 -m tools.host_overhead --kernel-dir build --kvcache [--seqlen-k 4096] [--kernels]
 
 ``--kvcache`` times a decode step instead: ``flash_attn_with_kvcache`` appending one token to a
-contiguous and a page-16 cache (value checks on and off), against SDPA reading the same
+contiguous and a page-16 cache (value checks off, on for every call, on for the same index
+tensors as the last call: the later layers of a step), against SDPA reading the same
 contiguous cache, alone and after writing the new token into it (``index_copy_``, a static
 cache's update: the same work as our call, which appends), and profiles ours. Each of ours
 says how many of its eager calls (warm-up included) took the full path instead of the lane.
@@ -147,7 +148,7 @@ def report(providers: dict, shape: str, args, *, no_graph: str, profiled) -> Non
             graph = graph_us(fn, args.calls) if no_graph not in name else None
             graph_text = f"{graph:8.1f}" if graph is not None else "       -"
             path = "" if full is None else f"   full path {full[0]}/{args.calls + WARMUP}"
-            print(f"  {name:28s} eager {eager:8.1f} us   graph {graph_text} us{path}")
+            print(f"  {name:38s} eager {eager:8.1f} us   graph {graph_text} us{path}")
             row = {"provider": name, "eager_us": eager, "graph_us": graph,
                    "full_path_calls": None if full is None else full[0]}
             if args.kernels and no_graph not in name:
@@ -246,13 +247,23 @@ def kvcache_main(fa, args) -> int:
     position = seqlens.to(torch.int64)  # where an SDPA decode step writes its new token
     kvcache_module = importlib.import_module(fa.__name__ + ".kvcache")
 
-    def ours(paged: bool, checks: bool):
+    # Value checks run once per version of the index tensors (kvcache.py, [Note: value
+    # checks]): "checks, each call" alternates two equal cache_seqlens tensors, so every call is
+    # checked (the first layer of a decode step); "checks, same tensors" passes one, so only the
+    # first call is (the later layers of a step).
+    lengths = (seqlens, seqlens.clone())
+
+    def ours(paged: bool, checks: str = ""):
+        turn = [0]
+
         def call():
+            turn[0] ^= checks == "each"
             if paged:
                 return fa.flash_attn_with_kvcache(q, k_pages, v_pages, k_new, v_new,
-                                                  cache_seqlens=seqlens, block_table=table)
+                                                  cache_seqlens=lengths[turn[0]],
+                                                  block_table=table)
             return fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
-                                              cache_seqlens=seqlens)
+                                              cache_seqlens=lengths[turn[0]])
         return Timed(call, env={"FLASH_ATTN_HUB_CHECK_VALUES": "1" if checks else "0"},
                      counted=(kvcache_module, "_checked_call"))
 
@@ -265,8 +276,11 @@ def kvcache_main(fa, args) -> int:
         return Timed(call, sdpa=backend)
 
     providers = {
-        "ours contiguous": ours(False, False), "ours page-16": ours(True, False),
-        "ours contiguous, checks": ours(False, True), "ours page-16, checks": ours(True, True),
+        "ours contiguous": ours(False), "ours page-16": ours(True),
+        "ours contiguous, checks, each call": ours(False, "each"),
+        "ours page-16, checks, each call": ours(True, "each"),
+        "ours contiguous, checks, same tensors": ours(False, "same"),
+        "ours page-16, checks, same tensors": ours(True, "same"),
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa-cudnn + cache write": sdpa(SDPBackend.CUDNN_ATTENTION, append=True),
         "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),

@@ -34,6 +34,14 @@ paged varlen call) run:
   in a CUDA graph (as transformers' continuous batching does) pays it only in its eager warm-up;
   an eager loop can opt out with the environment variable.
 
+The checks run once per version of the index tensors: a call with the very tensors (the same
+objects, unchanged since) and sizes of the last call that passed skips them, so the layers of
+one decode step, which share ``cache_seqlens`` and ``block_table``, pay one check per step, not
+one per layer. Changing a tensor in place through torch (``cache_seqlens += 1``, ``copy_``, a
+write into a view of it) bumps its version and the next call checks again; a write that torch
+does not see (a custom kernel writing through the tensor's pointer) does not, and inference
+tensors (made under ``torch.inference_mode``) have no version, so they are checked every call.
+
 Unchecked calls stay memory-safe: the kernels mask every cache write and read to the cache's
 pages (a position past the capacity, a negative or out-of-range block or batch index is
 skipped), so a bad value gives a wrong result for its sequence, never a write outside the cache.
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from typing import Optional
 
 import torch
@@ -283,13 +292,47 @@ def _report_bad_table(bad: Tensor, block_table: Tensor, num_blocks: int) -> None
           "sequence's last page may be -1)")
 
 
+# What the last call that passed the value checks held: its sizes, and per index tensor (None
+# where absent) a weak reference and the version it had ([Note: value checks], once per version).
+_passed: tuple = ()
+
+
+def _versions(tensors: tuple) -> tuple | None:
+    """``(weak reference, version)`` of each tensor (None stays None); None when one is an
+    inference tensor, which has no version."""
+    if any(t is not None and t.is_inference() for t in tensors):
+        return None
+    return tuple(None if t is None else (weakref.ref(t), t._version) for t in tensors)
+
+
+def _unchanged(sizes: tuple, tensors: tuple) -> bool:
+    """Whether ``tensors`` are the objects of the last call that passed, at the versions they
+    had then, with the same ``sizes``."""
+    if not _passed or _passed[0] != sizes:
+        return False
+    for t, held in zip(tensors, _passed[1]):
+        if t is None or held is None:
+            if t is not held:
+                return False
+        elif held[0]() is not t or held[1] != t._version:
+            return False
+    return True
+
+
 def _check_cache_values(*, batch: int, seqlen_new: int, capacity: int, cache_seqlens: Tensor,
                         cache_leftpad, cache_batch_idx, batch_cache: int, block_table,
                         page_size: int, num_blocks: int) -> None:
     """[Note: value checks] for ``flash_attn_with_kvcache``: one host read of the index vectors
-    and of the count of bad block-table entries."""
+    and of the count of bad block-table entries, unless the tensors and sizes are the last
+    passed call's, unchanged."""
+    global _passed
     if not _checking_values(cache_seqlens, cache_leftpad, cache_batch_idx, block_table):
         return
+    sizes = (batch, seqlen_new, capacity, batch_cache, page_size, num_blocks)
+    tensors = (cache_seqlens, cache_leftpad, cache_batch_idx, block_table)
+    if _unchanged(sizes, tensors):
+        return
+    _passed = ()
     parts = [cache_seqlens]
     if cache_leftpad is not None:
         parts.append(cache_leftpad)
@@ -328,6 +371,8 @@ def _check_cache_values(*, batch: int, seqlen_new: int, capacity: int, cache_seq
                   "distinct cache rows when new keys are appended")
     if bad is not None and rest[0]:
         _report_bad_table(bad, block_table, num_blocks)
+    versions = _versions(tensors)
+    _passed = () if versions is None else (sizes, versions)
 
 
 @_validate.memo_plain_scalars
