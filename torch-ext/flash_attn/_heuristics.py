@@ -301,37 +301,35 @@ def backward_prefers_triton(q: torch.Tensor, k: torch.Tensor, params: AttnParams
 # The Triton KV-cache attention (``_triton/kvcache.py``)
 # ---------------------------------------------------------------------------------------------
 
-# Split each sequence's keys into as many ranges as fill one program per SM without going past
-# it (``SMs // programs``, at least 1), every split at least KVCACHE_MIN_SPLIT_BLOCKS key blocks
-# or KVCACHE_MIN_SPLIT_KEYS keys of the longest possible sequence, whichever is fewer.
-# Measured on an H100 (tools/kvcache_tiles.py, GQA 32/8, D=128, bf16, graph-timed, every split
-# count from a quarter to four times the rule's), once
-# the combine read its splits as a tile: the fastest count of every cell filled one program
-# per SM or just under: B=1 over 32k/128k keys 16 splits (50/176 us, against 53/182 at 33);
-# B=8 Sq=16 over 32k 2 splits (357 us contiguous, 375 page 16, against 428/440 at 5); B=32
-# over 4k 1 split (177 against 190 at 2); B=1 Sq=16 page 16 16 splits (59 against 68 at 33).
-# Before that fix, when the combine walked the splits one by one, four programs per SM had
-# cost up to 1.8x.
+# Split each sequence's keys into as many ranges as fill one program per SM without going past it
+# (``SMs // programs``, at least 1), every split at least KVCACHE_MIN_SPLIT_BLOCKS key blocks or
+# KVCACHE_MIN_SPLIT_KEYS keys of the longest possible sequence, whichever is fewer. Measured on an
+# H100 (tools/kvcache_tiles.py, GQA 32/8, D=128, bf16, graph-timed, every split count from a
+# quarter to four times the rule's), once the combine read its splits as a tile: the fastest count
+# of every cell filled one program per SM or just under: B=1 over 32k/128k keys 16 splits (50/176
+# us, against 53/182 at 33); B=8 Sq=16 over 32k 2 splits (357 us contiguous, 375 page 16, against
+# 428/440 at 5); B=32 over 4k 1 split (177 against 190 at 2); B=1 Sq=16 page 16 16 splits (59
+# against 68 at 33). Before that fix, when the combine walked the splits one by one, four programs
+# per SM had cost up to 1.8x.
 # The per-key gather of pages that do not hold whole key blocks (``_triton/kvcache.tiles_for``:
 # 128-key steps on Hopper) fills two programs per SM instead with tiles of up to 32 rows
 # (KVCACHE_GATHER_PROGRAMS_PER_SM, KVCACHE_GATHER_ROWS). Measured on an H200
-# (tools/kvcache_tiles.py, GQA 32/8, D=128, bf16, graph-timed), B=1 over 32k keys in 16-key
-# pages: Sq=1 (16 rows) 16 splits
-# 53.1 us, 32 splits 40.3 (a contiguous cache: 40.6 at 16), and the same with the pages in
-# order (53.1 and 39.5), so that gap to a contiguous cache was the split count, not the pages'
-# addresses; Sq=16 (64 rows) 16 splits 51.3 us, 32 57.9, and B=8 Sq=16 2 splits 337 us, 4
-# 346, so 64-row tiles keep one program per SM. On an H100 (tools/ab_bench.py, the target
-# switched at run time, two rounds), two programs per SM ran 1.01-1.27x one on every 16-key
-# page cell at B=1 and 8 with Sq=1 or 4 (GQA 32/8 and 64/8, 4k-128k keys), while a contiguous
-# cache at two ran 0.96-1.00x one (B=1 and 8, Sq=1), so it keeps one. 32-row gather tiles
-# (Sq=8 at GQA 32/8) take two as well, and the gather's 128-key steps make a split of 4 blocks
-# 512 keys, which left one sequence of 4k keys 8 splits (64 programs) where a contiguous cache
-# runs 16: KVCACHE_MIN_SPLIT_KEYS lets it split to 256. tools/kvcache_tiles.py (H100, 16-key
-# pages): B=1 over 4k keys 12.9 us at 8 splits, 10.3 at 16, 9.8 at 32; Sq=16 there 18.0 us at
-# 8, 13.7 at 16; B=8 Sq=8 over 32k 430 us at 2 splits, 369 at 4, 370 at 8 (a contiguous cache:
-# 359 at 2). End to end (tools/ab_bench.py, H100, both changes switched at run time in one
-# build, two rounds, every 16-key page cell at B=1 over 4k keys and at Sq=8): 1.11-1.23x,
-# Sq=1 B=1 4k 1.19x (GQA 32/8) and 1.21x (64/8), Sq=8 B=8 32k 1.18x.
+# (tools/kvcache_tiles.py, GQA 32/8, D=128, bf16, graph-timed), B=1 over 32k keys in 16-key pages:
+# Sq=1 (16 rows) 16 splits 53.1 us, 32 splits 40.3 (a contiguous cache: 40.6 at 16), and the same
+# with the pages in order (53.1 and 39.5), so that gap to a contiguous cache was the split count,
+# not the pages' addresses; Sq=16 (64 rows) 16 splits 51.3 us, 32 57.9, and B=8 Sq=16 2 splits 337
+# us, 4 346, so 64-row tiles keep one program per SM. On an H100 (tools/ab_bench.py, the target
+# switched at run time, two rounds), two programs per SM ran 1.01-1.27x one on every 16-key page
+# cell at B=1 and 8 with Sq=1 or 4 (GQA 32/8 and 64/8, 4k-128k keys), while a contiguous cache at
+# two ran 0.96-1.00x one (B=1 and 8, Sq=1), so it keeps one. 32-row gather tiles (Sq=8 at GQA
+# 32/8) take two as well, and the gather's 128-key steps make a split of 4 blocks 512 keys, which
+# left one sequence of 4k keys 8 splits (64 programs) where a contiguous cache runs 16:
+# KVCACHE_MIN_SPLIT_KEYS lets it split to 256. tools/kvcache_tiles.py (H100, 16-key pages): B=1
+# over 4k keys 12.9 us at 8 splits, 10.3 at 16, 9.8 at 32; Sq=16 there 18.0 us at 8, 13.7 at 16;
+# B=8 Sq=8 over 32k 430 us at 2 splits, 369 at 4, 370 at 8 (a contiguous cache: 359 at 2). End to
+# end (tools/ab_bench.py, H100, both changes switched at run time in one build, two rounds, every
+# 16-key page cell at B=1 over 4k keys and at Sq=8): 1.11-1.23x, Sq=1 B=1 4k 1.19x (GQA 32/8) and
+# 1.21x (64/8), Sq=8 B=8 32k 1.18x.
 KVCACHE_PROGRAMS_PER_SM = 1
 KVCACHE_GATHER_PROGRAMS_PER_SM = 2
 KVCACHE_GATHER_ROWS = 32  # gather tiles of up to this many rows take the gather's target
