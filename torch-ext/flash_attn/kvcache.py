@@ -39,8 +39,9 @@ objects, unchanged since) and sizes of the last call that passed skips them, so 
 one decode step, which share ``cache_seqlens`` and ``block_table``, pay one check per step, not
 one per layer. Changing a tensor in place through torch (``cache_seqlens += 1``, ``copy_``, a
 write into a view of it) bumps its version and the next call checks again; a write that torch
-does not see (a custom kernel writing through the tensor's pointer) does not, and inference
-tensors (made under ``torch.inference_mode``) have no version, so they are checked every call.
+does not see (a custom kernel writing through the tensor's pointer, or a CUDA graph's replay of
+captured writes) does not, and inference tensors (made under ``torch.inference_mode``) have no
+version, so they are checked every call.
 
 Unchecked calls stay memory-safe: the kernels mask every cache write and read to the cache's
 pages (a position past the capacity, a negative or out-of-range block or batch index is
