@@ -280,6 +280,45 @@ def test_cuda_backend_on_cpu_tensors(flash_attn, monkeypatch):
 
 # -- CUDA tensors: value checks read cu_seqlens from the device once per tensor ------------
 
+def test_tensor_version_follows_in_place_writes_and_skips_inference_tensors(flash_attn):
+    """The version rule both host-read caches use (``_host_values``, the kv-cache value
+    checks): the same object, unchanged, matches; a write through a view, another object of
+    the same values and a dead reference do not; an inference tensor has no version (reading
+    ``_version`` of one raises), so nothing can be cached for it."""
+    validate = submodule(flash_attn, "_validate")
+    base = torch.arange(6, dtype=torch.int32)
+    t = base[:3]
+    held = validate.tensor_version(t)
+    assert validate.same_version(held, t)
+    assert not validate.same_version(held, t.clone())
+    assert not validate.same_version(None, t)
+    base[0] = 7
+    assert not validate.same_version(held, t)
+    gone = validate.tensor_version(torch.zeros(2))
+    assert gone[0]() is None and not validate.same_version(gone, torch.zeros(2))
+    with torch.inference_mode():
+        frozen = torch.arange(3)
+    assert validate.tensor_version(frozen) is None
+    assert not validate.same_version(held, frozen)
+
+
+@pytest.mark.gpu
+def test_cuda_host_values_of_an_inference_tensor(flash_attn):
+    """A CUDA tensor made under ``torch.inference_mode`` (no version counter) is read every
+    call instead of raising, and varlen calls given such cu_seqlens still check them."""
+    validate = submodule(flash_attn, "_validate")
+    with torch.inference_mode():
+        t = torch.arange(3, dtype=torch.int32, device="cuda")
+        assert validate.host_values(t) == [0, 1, 2]
+        t[0] = 5
+        assert validate.host_values(t) == [5, 1, 2]
+        q, k, v, cq, ck, mq, mk = make_varlen_qkv([3, 4], [5, 2], 4, 2, 32, device="cuda")
+        flash_attn.flash_attn_varlen_func(q, k, v, cq.clone(), ck.clone(), mq, mk)
+        with pytest.raises(ValueError) as info:
+            flash_attn.flash_attn_varlen_func(q, k, v, cq.clone(), ck.clone(), 3, mk)
+        _check_message(info.value, "max_seqlen_q")
+
+
 @pytest.mark.gpu
 def test_cuda_cu_seqlens_checked_and_cache_follows_writes(flash_attn):
     torch.manual_seed(0)

@@ -20,7 +20,8 @@ arrive as a 0-d tensor. These need the values on the host:
 * CUDA tensors are copied to the host once per distinct tensor (``_host_values``): a model passes
   the same ``cu_seqlens`` object to every layer, so a forward pass pays one small device-to-host
   copy, not one per layer. The cache holds weak references, and an in-place write to the tensor
-  (its version counter moves) invalidates the entry.
+  (its version counter moves) invalidates the entry (``tensor_version``). Inference tensors
+  (made under ``torch.inference_mode``) have no version counter, so they are read every call.
 * Inside a ``torch.compile`` trace the value checks are skipped: reading values there would
   break the graph, and the compiled graph re-runs with new values it never traced. Shape, dtype
   and device checks still run (they become guards). A 0-d ``max_seqlen`` tensor is converted
@@ -56,8 +57,8 @@ MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
 
 _HOST_CACHE_SIZE = 8
-# id(tensor) -> (weakref to it, its _version when read, its values as a list)
-_host_cache: dict[int, tuple[weakref.ref, int, list]] = {}
+# id(tensor) -> (tensor_version of it when read, its values as a list)
+_host_cache: dict[int, tuple[tuple, list]] = {}
 
 
 def _fail(exc, name: str, given, accepted: str):
@@ -78,6 +79,20 @@ def capturing(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def tensor_version(t: torch.Tensor) -> tuple | None:
+    """``(weak reference to t, t's version)``: what stands for t's values until torch writes
+    into it in place (through a view too); None for an inference tensor, which has no version
+    (reading its ``_version`` raises)."""
+    if t.is_inference():
+        return None
+    return weakref.ref(t), t._version
+
+
+def same_version(held: tuple | None, t: torch.Tensor) -> bool:
+    """Whether ``held`` (a :func:`tensor_version`) is of ``t`` itself, unchanged since."""
+    return held is not None and held[0]() is t and held[1] == t._version
+
+
 def host_values(t: torch.Tensor) -> list:
     """The public name of :func:`_host_values` (for the ops, after validation)."""
     return _host_values(t)
@@ -88,12 +103,14 @@ def _host_values(t: torch.Tensor) -> list:
     if t.device.type == "cpu":
         return t.tolist()
     entry = _host_cache.get(id(t))
-    if entry is not None and entry[0]() is t and entry[1] == t._version:
-        return entry[2]
+    if entry is not None and same_version(entry[0], t):
+        return entry[1]
     values = t.tolist()
-    if len(_host_cache) >= _HOST_CACHE_SIZE:
-        _host_cache.pop(next(iter(_host_cache)))
-    _host_cache[id(t)] = (weakref.ref(t), t._version, values)
+    version = tensor_version(t)
+    if version is not None:
+        if len(_host_cache) >= _HOST_CACHE_SIZE:
+            _host_cache.pop(next(iter(_host_cache)))
+        _host_cache[id(t)] = (version, values)
     return values
 
 

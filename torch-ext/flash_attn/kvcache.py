@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import weakref
 from typing import Optional
 
 import torch
@@ -293,31 +292,24 @@ def _report_bad_table(bad: Tensor, block_table: Tensor, num_blocks: int) -> None
           "sequence's last page may be -1)")
 
 
-# What the last call that passed the value checks held: its sizes, and per index tensor (None
-# where absent) a weak reference and the version it had ([Note: value checks], once per version).
+# What the last call that passed the value checks held: its sizes, and per index tensor its
+# ``_validate.tensor_version`` (None where absent) ([Note: value checks], once per version).
 _passed: tuple = ()
 
 
 def _versions(tensors: tuple) -> tuple | None:
-    """``(weak reference, version)`` of each tensor (None stays None); None when one is an
-    inference tensor, which has no version."""
-    if any(t is not None and t.is_inference() for t in tensors):
-        return None
-    return tuple(None if t is None else (weakref.ref(t), t._version) for t in tensors)
+    """Each tensor's ``tensor_version`` (None stays None); None when one has none (an
+    inference tensor)."""
+    versions = tuple(None if t is None else _validate.tensor_version(t) for t in tensors)
+    return None if any(v is None for t, v in zip(tensors, versions) if t is not None) else versions
 
 
 def _unchanged(sizes: tuple, tensors: tuple) -> bool:
     """Whether ``tensors`` are the objects of the last call that passed, at the versions they
     had then, with the same ``sizes``."""
-    if not _passed or _passed[0] != sizes:
-        return False
-    for t, held in zip(tensors, _passed[1]):
-        if t is None or held is None:
-            if t is not held:
-                return False
-        elif held[0]() is not t or held[1] != t._version:
-            return False
-    return True
+    return bool(_passed) and _passed[0] == sizes and all(
+        held is None if t is None else _validate.same_version(held, t)
+        for t, held in zip(tensors, _passed[1]))
 
 
 def _check_cache_values(*, batch: int, seqlen_new: int, capacity: int, cache_seqlens: Tensor,
