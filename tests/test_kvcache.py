@@ -608,8 +608,8 @@ def test_value_checks_run_once_per_version(flash_attn, monkeypatch):
     every call."""
     kvcache = submodule(flash_attn, "kvcache")
     checks = []
-    real = kvcache._bad_table_entries
-    monkeypatch.setattr(kvcache, "_bad_table_entries", lambda *a: checks.append(1) or real(*a))
+    real = kvcache._used_entry_range
+    monkeypatch.setattr(kvcache, "_used_entry_range", lambda *a: checks.append(1) or real(*a))
     torch.manual_seed(0)
     args, _ = build(Case(page_size=4, lengths=(5, 6, 2)), "cpu")
     base = args["cache_seqlens"].repeat(2)
@@ -646,6 +646,36 @@ def test_value_checks_run_once_per_version(flash_attn, monkeypatch):
             flash_attn.flash_attn_with_kvcache(**{**args, "cache_seqlens": lengths,
                                                   "block_table": table})
         assert len(checks) == before + 2
+
+
+def test_used_entry_range_finds_every_bad_used_entry(flash_attn):
+    """The block-table filter of the value checks trips exactly when the exact mask has a bad
+    entry: random tables with out-of-range entries inside and outside the pages that lengths,
+    left pads, padding slots (-1) and new keys make used, page sizes 1 to 7."""
+    kvcache = submodule(flash_attn, "kvcache")
+    gen = torch.Generator().manual_seed(0)
+    tripped = 0
+    for trial in range(300):
+        batch, cols, page_size, num_blocks = (int(torch.randint(1, n, (1,), generator=gen))
+                                              for n in (5, 9, 8, 12))
+        new = trial % 3
+        capacity = cols * page_size
+        seqlens = torch.randint(-1, capacity - new + 1, (batch,), generator=gen,
+                                dtype=torch.int32)
+        leftpad = (None if trial % 2 else
+                   (torch.rand(batch, generator=gen) * (seqlens.clamp(min=0) + 1)).int())
+        table = torch.randint(0, num_blocks, (batch, cols), generator=gen, dtype=torch.int32)
+        bad = torch.rand(batch, cols, generator=gen) < 0.05
+        table[bad] = torch.where(torch.rand(batch, cols, generator=gen) < 0.5, -1,
+                                 num_blocks)[bad].int()
+        least, greatest = kvcache._used_entry_range(table, seqlens, leftpad, new, page_size)
+        first = torch.zeros(batch, dtype=torch.int64) if leftpad is None else leftpad.long()
+        end = torch.where(seqlens < 0, 0, seqlens.long() + new)
+        exact = kvcache._bad_table_entries(table, first, end, page_size, num_blocks)
+        trips = least.item() < 0 or greatest.item() >= num_blocks
+        assert trips == bool(exact.any()), (trial, table, seqlens, leftpad, new, page_size)
+        tripped += trips
+    assert 30 < tripped < 270  # both outcomes were exercised
 
 
 # ---------------------------------------------------------------------------------------------

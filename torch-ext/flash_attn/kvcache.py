@@ -29,7 +29,7 @@ paged varlen call) run:
 * on CUDA tensors unless a CUDA graph is being captured
   (``torch.cuda.is_current_stream_capturing()``), ``torch.compile`` is tracing, or
   ``FLASH_ATTN_HUB_CHECK_VALUES=0``. On CUDA they cost a few small kernels (the block-table
-  test runs on the device) and one device-to-host copy of ``B`` to ``3 B + 1`` integers per
+  test runs on the device) and one device-to-host copy of ``B`` to ``3 B + 2`` integers per
   call, which waits for the work queued before it. A serving loop that captures its decode step
   in a CUDA graph (as transformers' continuous batching does) pays it only in its eager warm-up;
   an eager loop can opt out with the environment variable.
@@ -285,6 +285,23 @@ def _bad_table_entries(block_table: Tensor, first: Tensor, end: Tensor, page_siz
     return used & ((block_table < 0) | (block_table >= num_blocks))
 
 
+def _used_entry_range(block_table: Tensor, cache_seqlens: Tensor, cache_leftpad, seqlen_new: int,
+                      page_size: int) -> tuple[Tensor, Tensor]:
+    """The least and the greatest entry of the pages that the sequences use (positions
+    ``[cache_leftpad, cache_seqlens + seqlen_new)``; a -1 length uses none), with 0 standing in
+    for unused entries: two ``(1,)`` int tensors in a handful of kernels, where the exact
+    ``_bad_table_entries`` takes three times as many (the block-table check is most of a
+    checked call's host time). Both in ``[0, num_blocks)`` means no used entry is bad."""
+    span = block_table.shape[1] * page_size
+    starts = torch.arange(0, span, page_size, device=block_table.device,
+                          dtype=torch.int32 if span < 2**31 else torch.int64)
+    used = starts < torch.where(cache_seqlens < 0, 0, cache_seqlens + seqlen_new)[:, None]
+    if cache_leftpad is not None:  # page j is used when it ends after cache_leftpad
+        used &= starts > (cache_leftpad - page_size)[:, None]
+    least, greatest = torch.where(used, block_table, 0).aminmax()
+    return least.view(1), greatest.view(1)
+
+
 def _report_bad_table(bad: Tensor, block_table: Tensor, num_blocks: int) -> None:
     b, j = bad.nonzero()[0].tolist()
     _fail(ValueError, "block_table", f"block_table[{b}, {j}] = {int(block_table[b, j])}, a page "
@@ -331,14 +348,10 @@ def _check_cache_values(*, batch: int, seqlen_new: int, capacity: int, cache_seq
         parts.append(cache_leftpad)
     if cache_batch_idx is not None:
         parts.append(cache_batch_idx)
-    bad = None
-    if block_table is not None:
-        seqlens = cache_seqlens.to(torch.int64)
-        first = (torch.zeros_like(seqlens) if cache_leftpad is None
-                 else cache_leftpad.to(torch.int64))
-        end = torch.where(seqlens < 0, 0, seqlens + seqlen_new)
-        bad = _bad_table_entries(block_table, first.clamp(min=0), end, page_size, num_blocks)
-        parts.append(bad.sum().to(torch.int32).view(1))
+    table = block_table is not None and block_table.numel() > 0
+    if table:
+        parts.extend(_used_entry_range(block_table, cache_seqlens, cache_leftpad, seqlen_new,
+                                       page_size))
     values = torch.cat(parts).tolist()
     seqlens, rest = values[:batch], values[batch:]
     for b, n in enumerate(seqlens):
@@ -362,8 +375,14 @@ def _check_cache_values(*, batch: int, seqlen_new: int, capacity: int, cache_seq
         if seqlen_new and len(set(active)) != len(active):
             _fail(ValueError, "cache_batch_idx", f"repeated rows {index}",
                   "distinct cache rows when new keys are appended")
-    if bad is not None and rest[0]:
-        _report_bad_table(bad, block_table, num_blocks)
+    if table and (rest[0] < 0 or rest[1] >= num_blocks):
+        seqlens = cache_seqlens.to(torch.int64)
+        first = (torch.zeros_like(seqlens) if cache_leftpad is None
+                 else cache_leftpad.to(torch.int64).clamp(min=0))
+        end = torch.where(seqlens < 0, 0, seqlens + seqlen_new)
+        bad = _bad_table_entries(block_table, first, end, page_size, num_blocks)
+        if bool(bad.any()):
+            _report_bad_table(bad, block_table, num_blocks)
     versions = _versions(tensors)
     _passed = () if versions is None else (sizes, versions)
 
