@@ -331,12 +331,14 @@ def _unchanged(sizes: tuple, tensors: tuple) -> bool:
 
 def _check_cache_values(*, batch: int, seqlen_new: int, capacity: int, cache_seqlens: Tensor,
                         cache_leftpad, cache_batch_idx, batch_cache: int, block_table,
-                        page_size: int, num_blocks: int) -> None:
+                        page_size: int, num_blocks: int, gated: bool = False) -> None:
     """[Note: value checks] for ``flash_attn_with_kvcache``: one host read of the index vectors
-    and of the count of bad block-table entries, unless the tensors and sizes are the last
-    passed call's, unchanged."""
+    and of the range of the used block-table entries, unless the tensors and sizes are the last
+    passed call's, unchanged. ``gated``: the caller has established that checks run (a lane
+    has: its key rules out compiling and fixes the environment, and it tests capture itself)."""
     global _passed
-    if not _checking_values(cache_seqlens, cache_leftpad, cache_batch_idx, block_table):
+    if not gated and not _checking_values(cache_seqlens, cache_leftpad, cache_batch_idx,
+                                          block_table):
         return
     sizes = (batch, seqlen_new, capacity, batch_cache, page_size, num_blocks)
     tensors = (cache_seqlens, cache_leftpad, cache_batch_idx, block_table)
@@ -640,7 +642,7 @@ def _keep_lane(key, tensors: tuple, converted: tuple, call: _Call, out: Tensor,
                        call, lane)
 
 
-def _check_call_values(call: _Call, tensors: tuple) -> None:
+def _check_call_values(call: _Call, tensors: tuple, gated: bool = False) -> None:
     """:func:`_check_cache_values` of a checked call's converted tensors (in the entry point's
     order). A lane's caller passes its own tensors: a lane is made only where the conversions
     are no-ops."""
@@ -650,7 +652,7 @@ def _check_call_values(call: _Call, tensors: tuple) -> None:
                         cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
                         cache_batch_idx=cache_batch_idx, batch_cache=k_cache.shape[0],
                         block_table=block_table, page_size=k_cache.shape[1],
-                        num_blocks=k_cache.shape[0])
+                        num_blocks=k_cache.shape[0], gated=gated)
 
 
 # -- entry points --------------------------------------------------------------------------
@@ -711,7 +713,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if (held is not None and _environment() == held[0]  # [Note: lanes]
             and not _custom_ops._modes_or_transforms_active()):
         if held[1] and not _capturing():
-            _check_call_values(held[2], tensors)
+            _check_call_values(held[2], tensors, gated=True)
         result = held[3](*tensors)
         if result is not None:
             return result if scalars[-1] else result[0]  # return_softmax_lse, plain (the key)
