@@ -758,6 +758,8 @@ def test_paged_varlen_signature_ends_with_block_table(flash_attn):
      "cu_seqlens_k"),
     ("table_entry", lambda a: {**a, "block_table": a["block_table"].fill_(-1)}, ValueError,
      "block_table"),
+    ("table_entry_past_num_blocks", lambda a: {**a, "block_table": torch.where(
+        a["block_table"] == 0, a["k"].shape[0], a["block_table"])}, ValueError, "block_table"),
     ("max_seqlen_k", lambda a: {**a, "max_seqlen_k": 1}, ValueError, "max_seqlen_k"),
     ("cu_seqlens_k_dtype", lambda a: {**a, "cu_seqlens_k": a["cu_seqlens_k"].long()},
      TypeError, "cu_seqlens_k"),

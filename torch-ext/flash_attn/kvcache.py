@@ -803,7 +803,12 @@ def _check_paged_varlen_values(cu_seqlens_k: Tensor, block_table: Tensor, *, max
     if lengths and max(lengths) > max_k:
         _fail(ValueError, "max_seqlen_k", max_k,
               f"at least the longest sequence in the cu_seqlens ({max(lengths)})")
-    end = torch.tensor(lengths, dtype=torch.int64, device=block_table.device)
-    bad = _bad_table_entries(block_table, torch.zeros_like(end), end, page_size, num_blocks)
-    if bool(bad.any()):
-        _report_bad_table(bad, block_table, num_blocks)
+    if block_table.numel() == 0:
+        return
+    end = torch.tensor(lengths, dtype=torch.int32, device=block_table.device)
+    least, greatest = torch.cat(_used_entry_range(block_table, end, None, 0, page_size)).tolist()
+    if least < 0 or greatest >= num_blocks:
+        bad = _bad_table_entries(block_table, torch.zeros_like(end).long(), end.long(), page_size,
+                                 num_blocks)
+        if bool(bad.any()):
+            _report_bad_table(bad, block_table, num_blocks)
