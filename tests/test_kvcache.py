@@ -649,9 +649,10 @@ def test_value_checks_run_once_per_version(flash_attn, monkeypatch):
 
 
 def test_used_entry_range_finds_every_bad_used_entry(flash_attn):
-    """The block-table filter of the value checks trips exactly when the exact mask has a bad
-    entry: random tables with out-of-range entries inside and outside the pages that lengths,
-    left pads, padding slots (-1) and new keys make used, page sizes 1 to 7."""
+    """The block-table filter of the value checks trips exactly when a page a sequence uses
+    holds an entry outside [0, num_blocks) (a plain-Python count of the used pages): random
+    tables with bad entries inside and outside the pages that lengths, left pads, padding slots
+    (-1) and new keys make used, page sizes 1 to 7."""
     kvcache = submodule(flash_attn, "kvcache")
     gen = torch.Generator().manual_seed(0)
     tripped = 0
@@ -669,11 +670,14 @@ def test_used_entry_range_finds_every_bad_used_entry(flash_attn):
         table[bad] = torch.where(torch.rand(batch, cols, generator=gen) < 0.5, -1,
                                  num_blocks)[bad].int()
         least, greatest = kvcache._used_entry_range(table, seqlens, leftpad, new, page_size)
-        first = torch.zeros(batch, dtype=torch.int64) if leftpad is None else leftpad.long()
-        end = torch.where(seqlens < 0, 0, seqlens.long() + new)
-        exact = kvcache._bad_table_entries(table, first, end, page_size, num_blocks)
+        expected = False
+        for b in range(batch):
+            n = int(seqlens[b])
+            first, end = (0 if leftpad is None else int(leftpad[b])), (0 if n < 0 else n + new)
+            pages = range(first // page_size, -(-end // page_size))
+            expected |= any(not 0 <= int(table[b, j]) < num_blocks for j in pages)
         trips = least.item() < 0 or greatest.item() >= num_blocks
-        assert trips == bool(exact.any()), (trial, table, seqlens, leftpad, new, page_size)
+        assert trips == expected, (trial, table, seqlens, leftpad, new, page_size)
         tripped += trips
     assert 30 < tripped < 270  # both outcomes were exercised
 

@@ -275,38 +275,40 @@ def _checking_values(*tensors) -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
-def _bad_table_entries(block_table: Tensor, first: Tensor, end: Tensor, page_size: int,
-                       num_blocks: int) -> Tensor:
-    """Bool ``block_table``-shaped: entries of pages ``[first // page_size, ceil(end /
-    page_size))`` of each row that are not a block index (``first``/``end``: int64 ``(B,)``)."""
-    pages = torch.arange(block_table.shape[1], device=block_table.device)
-    used = ((pages[None, :] >= (first // page_size)[:, None])
-            & (pages[None, :] < ((end + page_size - 1) // page_size)[:, None]))
-    return used & ((block_table < 0) | (block_table >= num_blocks))
-
-
-def _used_entry_range(block_table: Tensor, cache_seqlens: Tensor, cache_leftpad, seqlen_new: int,
-                      page_size: int) -> tuple[Tensor, Tensor]:
-    """The least and the greatest entry of the pages that the sequences use (positions
-    ``[cache_leftpad, cache_seqlens + seqlen_new)``; a -1 length uses none), with 0 standing in
-    for unused entries: two ``(1,)`` int tensors in a handful of kernels, where the exact
-    ``_bad_table_entries`` takes three times as many (the block-table check is most of a
-    checked call's host time). Both in ``[0, num_blocks)`` means no used entry is bad."""
+def _used_pages(block_table: Tensor, cache_seqlens: Tensor, cache_leftpad, seqlen_new: int,
+                page_size: int) -> Tensor:
+    """Bool ``block_table``-shaped: the pages that hold positions ``[cache_leftpad,
+    cache_seqlens + seqlen_new)`` of each sequence (none for a -1 length)."""
     span = block_table.shape[1] * page_size
     starts = torch.arange(0, span, page_size, device=block_table.device,
                           dtype=torch.int32 if span < 2**31 else torch.int64)
     used = starts < torch.where(cache_seqlens < 0, 0, cache_seqlens + seqlen_new)[:, None]
     if cache_leftpad is not None:  # page j is used when it ends after cache_leftpad
         used &= starts > (cache_leftpad - page_size)[:, None]
+    return used
+
+
+def _used_entry_range(block_table: Tensor, cache_seqlens: Tensor, cache_leftpad, seqlen_new: int,
+                      page_size: int) -> tuple[Tensor, Tensor]:
+    """The least and the greatest entry of the used pages (:func:`_used_pages`), 0 standing in
+    for the others: two ``(1,)`` int tensors from a handful of small kernels, read with the
+    index vectors. Both in ``[0, num_blocks)`` means no used entry is bad; otherwise
+    :func:`_fail_on_bad_table` finds the entry."""
+    used = _used_pages(block_table, cache_seqlens, cache_leftpad, seqlen_new, page_size)
     least, greatest = torch.where(used, block_table, 0).aminmax()
     return least.view(1), greatest.view(1)
 
 
-def _report_bad_table(bad: Tensor, block_table: Tensor, num_blocks: int) -> None:
-    b, j = bad.nonzero()[0].tolist()
-    _fail(ValueError, "block_table", f"block_table[{b}, {j}] = {int(block_table[b, j])}, a page "
-          f"sequence {b} uses", f"a block index in [0, {num_blocks}) (only entries past a "
-          "sequence's last page may be -1)")
+def _fail_on_bad_table(block_table: Tensor, cache_seqlens: Tensor, cache_leftpad,
+                       seqlen_new: int, page_size: int, num_blocks: int) -> None:
+    """Raises naming the first used block-table entry outside ``[0, num_blocks)``, if any."""
+    bad = (_used_pages(block_table, cache_seqlens, cache_leftpad, seqlen_new, page_size)
+           & ((block_table < 0) | (block_table >= num_blocks)))
+    if bool(bad.any()):
+        b, j = bad.nonzero()[0].tolist()
+        _fail(ValueError, "block_table", f"block_table[{b}, {j}] = {int(block_table[b, j])}, a "
+              f"page sequence {b} uses", f"a block index in [0, {num_blocks}) (only entries past "
+              "a sequence's last page may be -1)")
 
 
 # What the last call that passed the value checks held: its sizes, and per index tensor its
@@ -378,13 +380,8 @@ def _check_cache_values(*, batch: int, seqlen_new: int, capacity: int, cache_seq
             _fail(ValueError, "cache_batch_idx", f"repeated rows {index}",
                   "distinct cache rows when new keys are appended")
     if table and (rest[0] < 0 or rest[1] >= num_blocks):
-        seqlens = cache_seqlens.to(torch.int64)
-        first = (torch.zeros_like(seqlens) if cache_leftpad is None
-                 else cache_leftpad.to(torch.int64).clamp(min=0))
-        end = torch.where(seqlens < 0, 0, seqlens + seqlen_new)
-        bad = _bad_table_entries(block_table, first, end, page_size, num_blocks)
-        if bool(bad.any()):
-            _report_bad_table(bad, block_table, num_blocks)
+        _fail_on_bad_table(block_table, cache_seqlens, cache_leftpad, seqlen_new, page_size,
+                           num_blocks)
     versions = _versions(tensors)
     _passed = () if versions is None else (sizes, versions)
 
@@ -808,7 +805,4 @@ def _check_paged_varlen_values(cu_seqlens_k: Tensor, block_table: Tensor, *, max
     end = torch.tensor(lengths, dtype=torch.int32, device=block_table.device)
     least, greatest = torch.cat(_used_entry_range(block_table, end, None, 0, page_size)).tolist()
     if least < 0 or greatest >= num_blocks:
-        bad = _bad_table_entries(block_table, torch.zeros_like(end).long(), end.long(), page_size,
-                                 num_blocks)
-        if bool(bad.any()):
-            _report_bad_table(bad, block_table, num_blocks)
+        _fail_on_bad_table(block_table, end, None, 0, page_size, num_blocks)
