@@ -8,6 +8,7 @@ timed whole with the benchmark's timer; FLOPs by the benchmark's rule.
 
     python3 -m tools.kernel_times --kernel-dir build [--seqlen 4096 --batch 4 --heads 16/16]
 
+``--fa4`` adds FlashAttention-4 (``flash_attn.cute``, when importable) as a third provider.
 ``--group-splits 1,2,4,8`` times our backward once per value with the CUDA backward's group
 split forced to it instead of the heuristic's (``_heuristics.cuda_group_splits``; each must
 divide Hq/Hkv), ``--rounds 2`` repeats the providers in turn: an A/B of the split inside one
@@ -53,6 +54,8 @@ def main() -> int:
     parser.add_argument("--group-splits", default="",
                         help="comma-separated group splits to force on our CUDA backward")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--fa4", action="store_true",
+                        help="time FlashAttention-4 too (flash_attn.cute must import)")
     args = parser.parse_args()
     flash_attn, q, k, v, dout = load_workload(args)
     heuristics = importlib.import_module(flash_attn.__name__ + "._heuristics")
@@ -82,7 +85,15 @@ def main() -> int:
     ours = [("ours-" + args.backend, ours_fwd, dout, None)]
     if splits:
         ours = [(f"ours-{args.backend}-split{n}", ours_fwd, dout, n) for n in splits]
-    providers = [*ours, ("sdpa-cudnn", cudnn_fwd, doutt, None)] * args.rounds
+    peers = [("sdpa-cudnn", cudnn_fwd, doutt, None)]
+    if args.fa4:
+        fa4 = importlib.import_module("flash_attn.cute")
+
+        def fa4_fwd():
+            out = fa4.flash_attn_func(q, k, v, causal=args.causal)
+            return out[0] if isinstance(out, (tuple, list)) else out
+        peers.append(("fa4", fa4_fwd, dout, None))
+    providers = [*ours, *peers] * args.rounds
     for name, fwd, grad_out, split in providers:
         heuristics.cuda_group_splits = (chosen_splits if split is None
                                         else lambda *_, n=split: n)

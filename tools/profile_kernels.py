@@ -2,7 +2,8 @@
 
 One bf16 forward and one backward per backend named, on one shape (D=128, S=4k, B=4, MHA 16/16
 unless told), each run twice so that `ncu --launch-skip` can pass over the first (cold) launch.
-It times nothing: ncu reads the counters.
+It times nothing: ncu reads the counters. ``--peer fa4`` runs FlashAttention-4 (``flash_attn.cute``)
+instead of ours, so that the same ncu sections can be set against its kernels.
 
     ncu --clock-control none -k regex:"fwd_kernel|bwd_kernel" --launch-skip 2 --launch-count 2 \
         --section SpeedOfLight --section WarpStateStats \
@@ -60,15 +61,25 @@ def load_workload(args):
 
 
 def main() -> int:
-    args = workload_parser(__doc__).parse_args()
+    parser = workload_parser(__doc__)
+    parser.add_argument("--peer", choices=("fa4",), help="run this peer instead of ours")
+    args = parser.parse_args()
     flash_attn, q, k, v, dout = load_workload(args)
+    call = flash_attn.flash_attn_func
+    if args.peer == "fa4":
+        import importlib
+        fa4 = importlib.import_module("flash_attn.cute")
+
+        def call(q, k, v, causal):
+            out = fa4.flash_attn_func(q, k, v, causal=causal)
+            return out[0] if isinstance(out, (tuple, list)) else out
     b, s, d = args.batch, args.seqlen, args.head_dim
     hq, hkv = q.shape[2], k.shape[2]
     for _ in range(2):
-        out = flash_attn.flash_attn_func(q, k, v, causal=args.causal)
+        out = call(q, k, v, causal=args.causal)
         torch.autograd.grad(out, (q, k, v), dout)
     torch.cuda.synchronize()
-    print(f"ran {args.backend} forward+backward twice: B={b} S={s} H={hq}/{hkv} D={d} "
+    print(f"ran {args.peer or args.backend} forward+backward twice: B={b} S={s} H={hq}/{hkv} D={d} "
           f"causal={args.causal}")
     return 0
 

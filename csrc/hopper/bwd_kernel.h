@@ -110,6 +110,7 @@ struct BwdArgs {
   float scale_over_cap;
   float grad_scale;      // softmax scale: dK and dQ are multiplied by it once
   int block_major;       // [Note] Backward step order
+  int dkv_staged;        // [Note] dK and dV through shared memory
 };
 
 // Key blocks up to which a causal band takes block-major steps ([Note] Backward step order).
@@ -139,6 +140,8 @@ constexpr int kDqTurnBarrier = 4;           // head-dim split, deterministic: bo
 constexpr int kDqTurnWgBarrier = 5;         // ... and 5 + wg: one consumer ([Note] dQ from
                                             // registers)
 constexpr int kDsWgBarrier = 7;             // head-dim split: 7 + wg, one consumer's dS tile
+constexpr int kEpilogueBarrier = 9;         // both consumers: K and V are free
+constexpr int kEpilogueWgBarrier = 10;      // ... and 10 + wg: one consumer's staged dK and dV
 constexpr int kDsThreads = 256;
 constexpr int kDqThreads = 256 + 32;
 
@@ -184,6 +187,19 @@ __device__ __forceinline__ void st_shared_float4(float4* p, float x, float y, fl
   asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};"
                ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))), "f"(x), "f"(y), "f"(z),
                "f"(w) : "memory");
+}
+
+__device__ __forceinline__ void st_shared_u32(void* p, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;"
+               ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint4 ld_shared_u4(const void* p) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))) : "memory");
+  return v;
 }
 
 __device__ __forceinline__ int load_acquire(const int* p) {
@@ -267,6 +283,47 @@ __device__ __forceinline__ void store_rows(const Frag& acc, float mul, Element* 
           *reinterpret_cast<uint32_t*>(out_row + col) = *reinterpret_cast<uint32_t*>(pair);
         }
       }
+    }
+  }
+}
+
+// [Note] dK and dV through shared memory
+// The epilogue's dK and dV leave the accumulators as 4-byte pairs: stored straight to global
+// memory that is 16 stores per thread and tensor at D=64, each touching 8 rows with 16 of every
+// 32 bytes written, and the warps then wait for them to drain before the CTA can leave. Where
+// dk and dv allow 16-byte accesses, each consumer instead writes its 64 rows into the shared
+// memory K and V held (free once both consumers' last GEMMs retired: kEpilogueBarrier), 16-byte
+// chunks XOR-swizzled by row so that the pair stores and the chunk reads are conflict-free, and
+// then copies them out in 16-byte chunks, whole rows per group of lanes.
+template <class Element, int kCols, class Frag>
+__device__ __forceinline__ void stage_rows(const Frag& acc, float mul, Element* stage, int row0,
+                                           int col_lane) {
+  static_assert(kCols % 64 == 0, "whole groups of 8 chunks per row for the swizzle");
+  CUTE_UNROLL
+  for (int c1 = 0; c1 < 2; ++c1) {
+    const int row = row0 + 8 * c1;
+    CUTE_UNROLL
+    for (int g = 0; g < kCols / 8; ++g) {
+      __align__(4) Element pair[2] = {Element(acc(cute::make_coord(0, c1, g), 0, 0) * mul),
+                                      Element(acc(cute::make_coord(1, c1, g), 0, 0) * mul)};
+      st_shared_u32(stage + row * kCols + ((g ^ (row & 7)) * 8) + col_lane,
+                    *reinterpret_cast<uint32_t*>(pair));
+    }
+  }
+}
+
+// 64 staged rows of kCols (stage_rows' layout) to dst rows [row_start, ...), 16 bytes a lane.
+template <class Element, int kCols>
+__device__ __forceinline__ void copy_staged_rows(const Element* stage, Element* dst,
+                                                 int64_t row_stride, int row_start, int rows_valid,
+                                                 int cols_valid, int tid) {
+  constexpr int kChunks = kCols / 8;
+  CUTE_UNROLL
+  for (int i = tid; i < 64 * kChunks; i += 128) {
+    const int row = i / kChunks, c = i % kChunks;
+    if (row < rows_valid && 8 * c < cols_valid) {
+      const uint4 v = ld_shared_u4(stage + row * kCols + ((c ^ (row & 7)) * 8));
+      *reinterpret_cast<uint4*>(dst + int64_t(row_start + row) * row_stride + 8 * c) = v;
     }
   }
 }
@@ -704,6 +761,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
                 int64_t(kv_head) * p.dk_head_stride;
   Element* dv = static_cast<Element*>(p.dv) + int64_t(batch) * p.dv_batch_stride +
                 int64_t(kv_head) * p.dv_head_stride;
+  if constexpr (Traits::kStagedDkv) {
+    if (args.dkv_staged) {  // [Note] dK and dV through shared memory
+      named_barrier_sync(kEpilogueBarrier, kDsThreads);
+      // this consumer's 64 rows of dK's and dV's kDkv columns, where K and V were
+      Element* stage_k = smem_k + wg * 64 * kDkv;
+      Element* stage_v = smem_v + wg * 64 * kDkv;
+      stage_rows<Element, kDkv>(tDkrDk, args.grad_scale, stage_k, r0, col_lane);
+      stage_rows<Element, kDkv>(tDvrDv, 1.f, stage_v, r0, col_lane);
+      named_barrier_sync(kEpilogueWgBarrier + wg, 128);
+      copy_staged_rows<Element, kDkv>(stage_k, dk + col0, p.dk_row_stride, row_start,
+                                      rows_valid, cols_valid, tid);
+      copy_staged_rows<Element, kDkv>(stage_v, dv + col0, p.dv_row_stride, row_start,
+                                      rows_valid, cols_valid, tid);
+      return;
+    }
+  }
   store_rows<Element, kDkv>(tDkrDk, args.grad_scale, dk + col0, p.dk_row_stride, r0, row_start,
                             rows_valid, cols_valid, col_lane);
   store_rows<Element, kDkv>(tDvrDv, 1.f, dv + col0, p.dv_row_stride, r0, row_start, rows_valid,

@@ -53,6 +53,13 @@ FwdStatus launch_bwd(const FlashBwdParams& p, cudaStream_t stream, char* why, in
                      f.window_right == 0 && f.window_left < 0 && p.dq_semaphore == nullptr &&
                      p.group_splits == 1 && key_blocks <= kBlockMajorKeyBlocks;
 
+  // [Note] dK and dV through shared memory
+  args.dkv_staged = Traits::kStagedDkv && p.dkv_partial == nullptr &&
+                    vector_ok(p.dk, p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride,
+                              f.head_dim, 8, sizeof(Element)) &&
+                    vector_ok(p.dv, p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride,
+                              f.head_dim, 8, sizeof(Element));
+
   // the preprocess also writes the padding rows up to the alignment; the cast has none to write
   const dim3 rows_grid(workspace_rows_of(f.seqlen_q) / kWorkspaceRows, f.heads_q, f.batch);
   const bool has_rows = rows_grid.x > 0;

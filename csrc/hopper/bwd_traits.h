@@ -85,6 +85,10 @@ struct BwdTraits {
   static constexpr bool kLateDv = kDqByRows;
   // each consumer's columns of dK and dV
   static constexpr int kDkvCols = kSplitHeadDim ? kHeadDim / 2 : kHeadDim;
+  // dK and dV leave through shared memory ([Note] dK and dV through shared memory in
+  // bwd_kernel.h): a consumer's 64 x kDkvCols rows fit where its share of K (and of V) was, and
+  // the swizzle wants whole groups of 8 chunks per row (not D=96 or 192)
+  static constexpr bool kStagedDkv = kDkvCols % 64 == 0;
 
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kKeysPerWarpgroup = 64;
