@@ -26,7 +26,7 @@
 //   dV += P^T dO       RS GEMM, issued as soon as P^T is in registers (at 128 query rows, once
 //                      dS^T is too: [Note] dQ by query rows in bwd_traits.h)
 //   dS^T = P^T * (dP^T - delta)          (softcap: times 1 - t^2)
-//   dK += dS^T Q       RS GEMM
+//   dK += dS^T Q       RS GEMM (at 128 query rows after the dQ GEMM: [Note] dK behind dQ)
 //   dS^T -> the CTA's shared dS tile; dQ (this consumer's half of the columns, or of the rows:
 //   [Note] dQ by query rows in bwd_traits.h) = dS K over all kBlockN keys; the fp32 dQ tile ->
 //   shared memory, handed to the dQ warp
@@ -92,6 +92,22 @@
 // reduce to complete and publishes rank + 1. The same fp32 additions in the same order make dQ
 // bitwise reproducible. CTAs are dispatched in blockIdx order, so a CTA only ever waits on
 // lower key blocks of its (kv head, batch), which never wait on it.
+//
+// [Note] Row statistics one group ahead
+// P^T and dS^T read lse2 and delta per 8-query group from the stage's shared rows. Each group's
+// pair is loaded once for both of the thread's key rows, and the next group's pair is loaded
+// before this group's arithmetic, so the load's latency overlaps it instead of stalling the
+// FFMA that needs it (the loads are volatile: they stay where they are written). An H100
+// profile at D=64 put ~6% of the step's stall samples on those FFMAs (short scoreboard) when
+// each pair was loaded right before its use, twice per group.
+//
+// [Note] dK behind dQ
+// With 128 query rows per step (D=64) the dQ GEMM is issued before dK's, and the consumer waits
+// only for dV and dQ before it stores its fp32 dQ tile and hands it to the dQ warp, so the
+// tile's stores and fence overlap the dK GEMM instead of following every GEMM of the step.
+// ptxas keeps the wgmma asynchronous here (no C7512; dV and dQ retire first, so two
+// accumulators are in flight at most). At D=128 the same order serialised (docs/performance.md,
+// Backward), so 64-row steps keep dK before dS^T's store.
 #pragma once
 
 #include "bwd_prep_cast.h"
@@ -613,11 +629,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
         CUTE_UNROLL
         for (int i = 0; i < size(tSrS); ++i) tSrT(i) = tSrS(i);
       }
+      // [Note] Row statistics one group ahead
+      float2 lse_next = ld_shared_float2(lse_s);
       CUTE_UNROLL
-      for (int c1 = 0; c1 < 2; ++c1) {
+      for (int g = 0; g < M / 8; ++g) {
+        const float2 lse2 = lse_next;
+        if (g + 1 < M / 8) lse_next = ld_shared_float2(lse_s + 8 * (g + 1));
         CUTE_UNROLL
-        for (int g = 0; g < M / 8; ++g) {
-          const float2 lse2 = ld_shared_float2(lse_s + 8 * g);
+        for (int c1 = 0; c1 < 2; ++c1) {
           float& x0 = tSrS(make_coord(0, c1, g), 0, 0);
           float& x1 = tSrS(make_coord(1, c1, g), 0, 0);
           x0 = exp2_approx(fmaf(x0, args.scale_log2, -lse2.x));
@@ -647,11 +666,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
         warpgroup_wait<0>();  // dP^T is in
       }
       warpgroup_fence_operand(tSrDp);
+      float2 delta_next = ld_shared_float2(delta_s);
       CUTE_UNROLL
-      for (int c1 = 0; c1 < 2; ++c1) {
+      for (int g = 0; g < M / 8; ++g) {
+        const float2 delta = delta_next;
+        if (g + 1 < M / 8) delta_next = ld_shared_float2(delta_s + 8 * (g + 1));
         CUTE_UNROLL
-        for (int g = 0; g < M / 8; ++g) {
-          const float2 delta = ld_shared_float2(delta_s + 8 * g);
+        for (int c1 = 0; c1 < 2; ++c1) {
           CUTE_UNROLL
           for (int c0 = 0; c0 < 2; ++c0) {
             const auto at = make_coord(c0, c1, g);
@@ -668,15 +689,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       to_a_operand(tSrDp, tDsa);
       if constexpr (Traits::kLateDv) issue_dv();
 
-      // dK += dS^T Q
-      warpgroup_fence_operand(tDkrDk);
-      warpgroup_fence_operand(tDsa_words);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tDsa); ++kb) {
-        cute::gemm(mma_dkv, tDsa(_, _, kb), tKVrQ(_, _, kb, st.stage), tDkrDk);
-      }
-      warpgroup_commit_batch();
+      // dK += dS^T Q, issued here, or with 128 query rows after the dQ GEMM ([Note] dK behind
+      // dQ)
+      auto issue_dk = [&] {
+        warpgroup_fence_operand(tDkrDk);
+        warpgroup_fence_operand(tDsa_words);
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tDsa); ++kb) {
+          cute::gemm(mma_dkv, tDsa(_, _, kb), tKVrQ(_, _, kb, st.stage), tDkrDk);
+        }
+        warpgroup_commit_batch();
+      };
+      constexpr bool kDkAfterDq = Traits::kDqByRows;
+      if constexpr (!kDkAfterDq) issue_dk();
 
       // dS^T into this consumer's 64 rows of the shared dS tile; both consumers' rows must be
       // in before either reads the tile ([Note] dQ through shared memory)
@@ -718,6 +744,27 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
         mma_dq.accumulate_ = gmma::ScaleOut::One;
       }
       warpgroup_commit_batch();
+      if constexpr (kDkAfterDq) {
+        issue_dk();
+        warpgroup_wait<1>();  // dV and dQ are in; dK runs on while the dQ tile is stored
+        warpgroup_fence_operand(tQrDq);
+        CUTE_UNROLL
+        for (int g = 0; g < kDqCols / 8; ++g) {
+          st_shared_float4(&dq_tile[wg * Traits::kDqConsumerFloat4 + g * 128 + tid],
+                           tQrDq(make_coord(0, 0, g), 0, 0), tQrDq(make_coord(1, 0, g), 0, 0),
+                           tQrDq(make_coord(0, 1, g), 0, 0), tQrDq(make_coord(1, 1, g), 0, 0));
+        }
+        cutlass::arch::fence_view_async_shared();
+        named_barrier_arrive(kDqFullBarrier, kDqThreads);  // the dQ warp sends the tile
+        warpgroup_wait<0>();  // dK is in: Q and dO of the slot are free
+        warpgroup_fence_operand(tDvrDv);
+        warpgroup_fence_operand(tDkrDk);
+        warpgroup_fence_operand(tPa_words);
+        warpgroup_fence_operand(tDsa_words);
+        Barrier::arrive(&empty[st.stage]);
+        st.advance();
+        continue;
+      }
       warpgroup_wait<0>();  // also retires dV and dK: Q and dO of the slot are free
       warpgroup_fence_operand(tQrDq);
       warpgroup_fence_operand(tDvrDv);
