@@ -358,8 +358,9 @@ def test_triton_long_appends_match_oracle(flash_attn, triton_device, name, num_s
 
 def test_triton_appends_inside_the_attention_launch(flash_attn, triton_device, monkeypatch):
     """The attention kernel writes the new keys itself: a call with new keys launches it alone,
-    or with the combine when the keys are split, and no append kernel. Every launch goes through
-    a cached launcher (``_triton/launch.py``), whether or not it reuses a compiled kernel."""
+    or with the combine when the keys are split, and no append kernel (after the value checks'
+    gather). Every launch goes through a cached launcher (``_triton/launch.py``), whether or
+    not it reuses a compiled kernel."""
     launcher_type = submodule(flash_attn, "_triton.launch").CachedLauncher
     launched, launch = [], launcher_type.launch
 
@@ -370,8 +371,8 @@ def test_triton_appends_inside_the_attention_launch(flash_attn, triton_device, m
     monkeypatch.setattr(launcher_type, "launch", recording)
     # over 128 keys of capacity: a GPU's 128-key steps (pages of 4) have two blocks to split
     case = Case(page_size=4, lengths=(140, 9), seqlen_new=3, seqlen_q=2, rotary="interleaved")
-    for num_splits, kernels in ((1, ["_attend_kernel"]),
-                                (2, ["_attend_kernel", "combine_kernel"])):
+    for num_splits, kernels in ((1, ["_values_kernel", "_attend_kernel"]),
+                                (2, ["_values_kernel", "_attend_kernel", "combine_kernel"])):
         launched.clear()
         run_case(flash_attn, case, device=triton_device, num_splits=num_splits)
         assert launched == kernels
@@ -680,6 +681,180 @@ def test_used_entry_range_finds_every_bad_used_entry(flash_attn):
         assert trips == expected, (trial, table, seqlens, leftpad, new, page_size)
         tripped += trips
     assert 30 < tripped < 270  # both outcomes were exercised
+
+
+POISON_INT = -123456789  # what an element of the gather's output holds until it is written
+
+
+def gather_reference(kvcache, lengths, leftpad, batch_idx, table, new, page_size,
+                     cumulative=False) -> list:
+    """What ``_triton.kvcache_checks.gather_values`` must write, from the torch path: the
+    index vectors, then per row ``_used_entry_range`` of that row alone ((0, 0) for a table
+    of no column), least entries first."""
+    if cumulative:
+        lengths = lengths[1:] - lengths[:-1]
+    values = [] if cumulative else lengths.tolist()
+    values += [] if leftpad is None else leftpad.tolist()
+    values += [] if batch_idx is None else batch_idx.tolist()
+    if table is None:
+        return values
+    ranges = [kvcache._used_entry_range(table[b:b + 1], lengths[b:b + 1],
+                                        None if leftpad is None else leftpad[b:b + 1], new,
+                                        page_size) if table.shape[1] else (0, 0)
+              for b in range(len(lengths))]
+    return values + [int(r[0]) for r in ranges] + [int(r[1]) for r in ranges]
+
+
+def test_device_gather_matches_the_torch_path(flash_attn, triton_device):
+    """``_triton.kvcache_checks`` ([Note: value checks]): its one launch, written over a
+    poisoned buffer, holds the index vectors and per row the range ``_used_entry_range`` gives
+    for that row alone, so the least and the greatest over rows are the whole table's. Random
+    cases: 1-6 rows, tables 0 to over three column steps wide with -1 past each row's pages,
+    stray bad entries (-1, num_blocks, the int32 extremes), page sizes 1-7 and 16, left pads
+    (past the length too), padding slots (-1), lengths below -1, zero lengths and lengths past
+    the capacity, new keys 0-2, and lengths as ``cu_seqlens_k`` differences."""
+    kvcache = submodule(flash_attn, "kvcache")
+    checks = submodule(flash_attn, "_triton.kvcache_checks")
+    device = torch.device(triton_device)
+    step = checks._columns_per_step(device)
+    gen = torch.Generator().manual_seed(0)
+
+    def draw(low, high):  # an int in [low, high]
+        return int(torch.randint(low, high + 1, (1,), generator=gen))
+
+    def ints(values):
+        return None if values is None else torch.tensor(values, dtype=torch.int32)
+
+    seen = dict(no_page=0, every_page=0, some_pages=0, past_a_step=0, no_column=0, tripped=0)
+    for trial in range(300):
+        batch, cols = draw(1, 6), draw(0, 3 * step + 1) if trial % 25 else 0
+        page_size = (1, 2, 3, 4, 5, 7, 16)[draw(0, 6)]
+        num_blocks, cumulative = draw(1, 40), trial % 4 == 3
+        new = 0 if cumulative else draw(0, 2)
+        capacity = cols * page_size
+        lengths = [draw(0, max(capacity - new, 0)) if draw(0, 3) else
+                   (-1, 0, capacity - new, draw(-3, capacity + 2))[draw(0, 3)]
+                   for _ in range(batch)]
+        if cumulative:  # cu_seqlens_k: non-decreasing, no left pad, no batch index
+            lengths = [max(n, 0) for n in lengths]
+        pads = None if cumulative or trial % 3 == 0 else [
+            draw(-1, max(n, 0) + 2) if draw(0, 4) == 0 else draw(0, max(n, 0)) for n in lengths]
+        rows = None if cumulative or trial % 2 else [draw(-2, 8) for _ in range(batch)]
+        table = torch.randint(0, num_blocks, (batch, cols), generator=gen, dtype=torch.int32)
+        for b, n in enumerate(lengths):  # -1 past the row's pages, as callers pad
+            table[b, -(-max(n, 0) // page_size) + draw(0, 1):] = -1
+        stray = torch.rand(batch, cols, generator=gen) < 0.05
+        picks = ints([-1, num_blocks, 2**31 - 1, -2**31])
+        table[stray] = picks[torch.randint(0, 4, (batch, cols), generator=gen)][stray]
+        with_table = trial % 7 != 6
+        given = [ints([0, *lengths]).cumsum(0).int() if cumulative else ints(lengths), ints(pads),
+                 ints(rows), table if with_table else None]
+        expected = gather_reference(kvcache, *given, new, page_size, cumulative)
+        on_device = [None if t is None else t.to(device) for t in given]
+        out = torch.full((len(expected),), POISON_INT, dtype=torch.int32, device=device)
+        checks.gather_values(out, *on_device, seqlen_new=new, page_size=page_size,
+                             cumulative=cumulative)
+        label = (trial, lengths, pads, table, new, page_size, cumulative)
+        assert out.tolist() == expected, label
+        if trial % 10 == 0:  # the allocating form
+            allocated = checks.check_values(*on_device, seqlen_new=new, page_size=page_size,
+                                            cumulative=cumulative)
+            assert allocated.tolist() == expected, label
+        if not with_table:
+            continue
+        seen["no_column"] += cols == 0
+        if cols == 0:
+            continue
+        for b, n in enumerate(lengths):
+            first = 0 if pads is None else max(pads[b], 0) // page_size
+            used = max(min(-(-max(n + new, 0) // page_size) if n >= 0 else 0, cols) - first, 0)
+            seen["no_page" if used == 0 else "every_page" if used == cols else
+                 "some_pages"] += 1
+            seen["past_a_step"] += used > step
+        least, greatest = min(expected[-2 * batch:-batch]), max(expected[-batch:])
+        whole = kvcache._used_entry_range(table, ints(lengths), ints(pads), new, page_size)
+        assert (least, greatest) == tuple(map(int, whole)), label
+        seen["tripped"] += least < 0 or greatest >= num_blocks
+    assert all(count >= 10 for count in seen.values()), seen  # every kind of row was drawn
+
+
+BAD_VALUES = ["cache_seqlens_past_capacity", "cache_seqlens_below_padding",
+              "block_table_past_num_blocks", "block_table_used_entry_negative",
+              "cache_leftpad_past_seqlens", "cache_batch_idx_range", "cache_batch_idx_repeated"]
+BAD_PAGED_VARLEN_VALUES = {  # label: an edit of the call's arguments
+    "table_entry": lambda a: {**a, "block_table": a["block_table"].fill_(-1)},
+    "table_entry_past_num_blocks": lambda a: {**a, "block_table": torch.where(
+        a["block_table"] == 0, a["k"].shape[0], a["block_table"])},
+}
+
+
+def _errors_on_both_paths(flash_attn, monkeypatch, device, call, args) -> tuple[str, str]:
+    """The message of ``call(**args)`` on CPU tensors through the torch ops and on ``device``
+    through the one launch of ``_triton.kvcache_checks`` (which must run once, with no torch
+    op of the checks' range)."""
+    kvcache = submodule(flash_attn, "kvcache")
+    checks = submodule(flash_attn, "_triton.kvcache_checks")
+    monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "cpu")
+    with pytest.raises(ValueError) as torch_ops:
+        call(**args)
+    gathered, gather = [], checks.check_values
+    monkeypatch.setattr(checks, "check_values", lambda *a, **k: gathered.append(1) or
+                        gather(*a, **k))
+    monkeypatch.setattr(kvcache, "_used_entry_range", None)  # calling it fails
+    monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "triton")
+    with pytest.raises(ValueError) as one_launch:
+        call(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()})
+    assert gathered == [1]
+    return str(torch_ops.value), str(one_launch.value)
+
+
+@pytest.mark.parametrize("label", BAD_VALUES)
+def test_device_gather_raises_the_torch_paths_errors(flash_attn, triton_device, monkeypatch,
+                                                     label):
+    """A bad value raises the same message, byte for byte, whether the checks read their
+    numbers through torch ops (CPU tensors) or through the device gather."""
+    case, edit, _, name = BAD_INPUTS[label]
+    torch.manual_seed(0)
+    args, _ = build(case, "cpu")
+    expected, got = _errors_on_both_paths(flash_attn, monkeypatch, triton_device,
+                                          flash_attn.flash_attn_with_kvcache, edit(args))
+    assert expected.startswith(f"{name}: got ") and got == expected
+
+
+@pytest.mark.parametrize("label", list(BAD_PAGED_VARLEN_VALUES))
+def test_device_gather_raises_the_torch_paths_paged_varlen_errors(flash_attn, triton_device,
+                                                                  monkeypatch, label):
+    torch.manual_seed(0)
+    q, k_cache, v_cache, cq, ck, mq, mk, table = build_paged_varlen([2, 3], [5, 9], page_size=4)
+    args = BAD_PAGED_VARLEN_VALUES[label](dict(
+        q=q, k=k_cache, v=v_cache, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq,
+        max_seqlen_k=mk, block_table=table))
+    expected, got = _errors_on_both_paths(flash_attn, monkeypatch, triton_device,
+                                          flash_attn.flash_attn_varlen_func, args)
+    assert expected.startswith("block_table: got ") and got == expected
+
+
+def test_checked_triton_call_gathers_in_one_launch(flash_attn, triton_device, monkeypatch):
+    """A checked paged call on the Triton kernels makes two launches, the checks' gather and
+    the attention, each through a cached launcher; a repeated call with the same unchanged
+    index tensors skips the checks ([Note: value checks], once per version; on a GPU its
+    attention may go through the lane, which launches without the launcher's ``launch``)."""
+    monkeypatch.setattr(submodule(flash_attn, "kvcache"), "_lanes", {})
+    launcher_type = submodule(flash_attn, "_triton.launch").CachedLauncher
+    launched, launch = [], launcher_type.launch
+
+    def recording(launcher, bound, grid, leading):
+        launched.append(launcher.fn.fn.__name__)
+        return launch(launcher, bound, grid, leading)
+
+    monkeypatch.setattr(launcher_type, "launch", recording)
+    torch.manual_seed(0)
+    args, _ = build(Case(page_size=4, lengths=(5, -1, 9), leftpad=(1, 0, 6)), triton_device)
+    flash_attn.flash_attn_with_kvcache(**args, num_splits=1)
+    assert launched == ["_values_kernel", "_attend_kernel"]
+    launched.clear()
+    flash_attn.flash_attn_with_kvcache(**args, num_splits=1)
+    assert "_values_kernel" not in launched
 
 
 # ---------------------------------------------------------------------------------------------

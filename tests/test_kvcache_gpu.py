@@ -11,7 +11,8 @@ import torch
 
 from flash_attn_hub.reference import assert_close_to_reference, kvcache_reference
 from helpers import submodule
-from test_kvcache import Case, _copy_layout, build, build_paged_varlen, run_case
+from test_kvcache import (POISON_INT, Case, _copy_layout, build, build_paged_varlen,
+                          gather_reference, run_case)
 
 GPU_CASES = {
     "decode_gqa_page16": Case(page_size=16, lengths=(1000, 17, 2500, 0), heads=(32, 8),
@@ -154,6 +155,47 @@ def test_gpu_decode_step_reuses_its_compiled_kernels_bitwise(flash_attn, monkeyp
         bits = {2: torch.int16, 4: torch.int32}[a.element_size()]  # (the caches hold NaN)
         assert torch.equal(a.view(bits), b.view(bits)), (
             f"{name} differs between Triton's launch and the cached one")
+
+
+@pytest.mark.gpu
+def test_gpu_value_checks_gather_in_one_cached_launch(flash_attn, monkeypatch):
+    """Under ``auto`` on CUDA the value checks read their numbers through the one launch of
+    ``_triton.kvcache_checks``, never the torch ops of ``_used_entry_range``, and from the
+    second checked call on through the cached launcher (Triton's path disabled); a bad used
+    entry still raises naming it. At decode sizes (64 sequences over 32k keys in 16-key pages:
+    2048 columns, several column steps; pages of 1 and 256 too) the gather's numbers are the
+    torch path's."""
+    kvcache = submodule(flash_attn, "kvcache")
+    checks = submodule(flash_attn, "_triton.kvcache_checks")
+    monkeypatch.delenv("FLASH_ATTN_HUB_BACKEND", raising=False)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ints = dict(generator=gen, device="cuda", dtype=torch.int32)
+    for page_size, batch, capacity in ((16, 64, 32768), (1, 8, 4096), (256, 32, 131072)):
+        cols = capacity // page_size
+        lengths = torch.randint(-1, capacity, (batch,), **ints)
+        leftpad = (torch.rand(batch, generator=gen, device="cuda") * lengths.clamp(min=0)).int()
+        table = torch.randint(0, 1 << 20, (batch, cols), **ints)
+        pages = torch.arange(cols, device="cuda") * page_size
+        table[pages[None, :] > lengths[:, None]] = -1  # -1 past each row's pages (+ 1 new key)
+        table[batch // 2, 0] = -7  # a bad entry, used unless that row's left pad skips it
+        expected = gather_reference(kvcache, lengths, leftpad, None, table, 1, page_size)
+        out = torch.full((len(expected),), POISON_INT, device="cuda", dtype=torch.int32)
+        checks.gather_values(out, lengths, leftpad, None, table, seqlen_new=1,
+                             page_size=page_size)
+        assert out.tolist() == expected, (page_size, batch, capacity)
+
+    monkeypatch.setattr(kvcache, "_used_entry_range", None)  # calling it fails
+    case = Case(page_size=16, lengths=(1000, 17, -1, 2500), heads=(32, 8), head_dim=128,
+                dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    args, _ = build(case, "cuda")
+    flash_attn.flash_attn_with_kvcache(**args)
+    monkeypatch.setattr(checks._values.fn, "run", _triton_path_disabled)
+    args["cache_seqlens"][0] += 1  # a new version: checked again
+    flash_attn.flash_attn_with_kvcache(**args)
+    args["block_table"][3, 1] = args["k_cache"].shape[0]
+    with pytest.raises(ValueError, match=r"^block_table: got block_table\[3, 1\] = "):
+        flash_attn.flash_attn_with_kvcache(**args)
 
 
 @pytest.mark.gpu

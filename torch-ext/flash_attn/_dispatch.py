@@ -24,7 +24,8 @@ one another.
 KV-cache calls (``flash_attn_with_kvcache``, a paged ``flash_attn_varlen_func``) choose the
 same way between ``_cpu.kvcache_forward`` and ``_triton.kvcache``
 (:func:`select_kvcache_backend`); with ``cuda`` they run on Triton, logged, as no compiled
-kernel reads a KV cache.
+kernel reads a KV cache. Their value checks read their numbers through one Triton launch where
+the call runs on Triton, else through torch ops (:func:`select_kvcache_checks`).
 
 Backend modules are imported on first use, so importing the package imports no kernel module
 (and so never touches CUDA or autotuning). Each distinct (direction, backend, reason) is logged
@@ -216,6 +217,25 @@ def select_kvcache_backend(q, *, paged: bool, varlen: bool):
         logger.info("flash_attn %s on %s: %s backend (%s)", kind, q.device.type, name, reason)
     module, function = _KVCACHE[name]
     return getattr(_import(module), function)
+
+
+# The value checks of kv-cache calls (``kvcache``'s [Note: value checks]) gather what the host
+# reads in one launch where the call's kernels are Triton's; elsewhere they run torch ops.
+_KVCACHE_CHECKS = ("_triton.kvcache_checks", "check_values")
+
+
+def select_kvcache_checks(t):
+    """The function that gathers a kv-cache call's checked values on the device of ``t`` (an
+    index tensor of the call) in one launch (``check_values`` of ``_triton.kvcache_checks``)
+    where the call runs on Triton: CUDA tensors, unless the ``cpu`` backend is asked for, and
+    CPU tensors with ``triton`` under the interpreter. None elsewhere: the checks' torch ops.
+    Raises nothing: a backend the call cannot run on is the dispatch's error, after the
+    checks."""
+    requested = os.environ.get(ENV_BACKEND, "auto").strip().lower()
+    if (t.device.type == "cuda" and requested != "cpu"
+            or requested == "triton" and _interpreting()):
+        return getattr(_import(_KVCACHE_CHECKS[0]), _KVCACHE_CHECKS[1])
+    return None
 
 
 def select_kvcache_lane(q):

@@ -28,11 +28,20 @@ paged varlen call) run:
 * always on CPU tensors;
 * on CUDA tensors unless a CUDA graph is being captured
   (``torch.cuda.is_current_stream_capturing()``), ``torch.compile`` is tracing, or
-  ``FLASH_ATTN_HUB_CHECK_VALUES=0``. On CUDA they cost a few small kernels (the block-table
-  test runs on the device) and one device-to-host copy of ``B`` to ``3 B + 2`` integers per
-  call, which waits for the work queued before it. A serving loop that captures its decode step
-  in a CUDA graph (as transformers' continuous batching does) pays it only in its eager warm-up;
-  an eager loop can opt out with the environment variable.
+  ``FLASH_ATTN_HUB_CHECK_VALUES=0``. On CUDA they cost one small kernel and one
+  device-to-host copy of ``B`` to ``4 B`` int32 per call (``2 B`` for a paged varlen call),
+  which waits for the work queued before it. A serving loop that captures its decode step in a
+  CUDA graph (as transformers' continuous batching does) pays it only in its eager warm-up; an
+  eager loop can opt out with the environment variable.
+
+Where the call runs on Triton (CUDA tensors unless the ``cpu`` backend is asked for, and CPU
+tensors with ``triton`` under the interpreter), one launch of ``_triton.kvcache_checks``
+(chosen by ``_dispatch.select_kvcache_checks``) writes the index vectors and each sequence's
+least and greatest used block-table entry into one int32 buffer, read with one ``.tolist()``;
+the host takes the least and the greatest over sequences. Elsewhere torch ops compute the same
+numbers (:func:`_used_entry_range`: the range over the whole table at once). Either way a
+range that leaves ``[0, num_blocks)`` sends the call to :func:`_fail_on_bad_table`, which names
+the first bad entry from an exact mask, so both paths raise the same errors.
 
 The checks run once per version of the index tensors: a call with the very tensors (the same
 objects, unchanged since) and sizes of the last call that passed skips them, so the layers of
@@ -291,12 +300,22 @@ def _used_pages(block_table: Tensor, cache_seqlens: Tensor, cache_leftpad, seqle
 def _used_entry_range(block_table: Tensor, cache_seqlens: Tensor, cache_leftpad, seqlen_new: int,
                       page_size: int) -> tuple[Tensor, Tensor]:
     """The least and the greatest entry of the used pages (:func:`_used_pages`), 0 standing in
-    for the others: two ``(1,)`` int tensors from a handful of small kernels, read with the
-    index vectors. Both in ``[0, num_blocks)`` means no used entry is bad; otherwise
+    for the others: two ``(1,)`` int tensors from a handful of torch ops, read with the index
+    vectors where the checks run on torch ops ([Note: value checks]; the device gather gives
+    the same per sequence). Both in ``[0, num_blocks)`` means no used entry is bad; otherwise
     :func:`_fail_on_bad_table` finds the entry."""
     used = _used_pages(block_table, cache_seqlens, cache_leftpad, seqlen_new, page_size)
     least, greatest = torch.where(used, block_table, 0).aminmax()
     return least.view(1), greatest.view(1)
+
+
+def _outside(ranges: list, num_blocks: int) -> bool:
+    """Whether a used block-table entry may lie outside ``[0, num_blocks)``: ``ranges`` holds
+    least entries, then as many greatest ones (one of each from :func:`_used_entry_range`, one
+    per row from the device gather), 0 standing in for unused pages; :func:`_fail_on_bad_table`
+    then finds the entry, if any."""
+    half = len(ranges) // 2
+    return min(ranges[:half]) < 0 or max(ranges[half:]) >= num_blocks
 
 
 def _fail_on_bad_table(block_table: Tensor, cache_seqlens: Tensor, cache_leftpad,
@@ -347,16 +366,19 @@ def _check_cache_values(*, batch: int, seqlen_new: int, capacity: int, cache_seq
     if _unchanged(sizes, tensors):
         return
     _passed = ()
-    parts = [cache_seqlens]
-    if cache_leftpad is not None:
-        parts.append(cache_leftpad)
-    if cache_batch_idx is not None:
-        parts.append(cache_batch_idx)
     table = block_table is not None and block_table.numel() > 0
-    if table:
-        parts.extend(_used_entry_range(block_table, cache_seqlens, cache_leftpad, seqlen_new,
-                                       page_size))
-    values = torch.cat(parts).tolist()
+    gather = _dispatch.select_kvcache_checks(cache_seqlens)
+    if gather is not None:
+        with _custom_ops._on_device_of(cache_seqlens):
+            values = gather(cache_seqlens, cache_leftpad, cache_batch_idx,
+                            block_table if table else None, seqlen_new=seqlen_new,
+                            page_size=page_size).tolist()
+    else:
+        parts = [t for t in (cache_seqlens, cache_leftpad, cache_batch_idx) if t is not None]
+        if table:
+            parts.extend(_used_entry_range(block_table, cache_seqlens, cache_leftpad,
+                                           seqlen_new, page_size))
+        values = torch.cat(parts).tolist()
     seqlens, rest = values[:batch], values[batch:]
     for b, n in enumerate(seqlens):
         if n < -1 or n + seqlen_new > capacity:
@@ -379,7 +401,7 @@ def _check_cache_values(*, batch: int, seqlen_new: int, capacity: int, cache_seq
         if seqlen_new and len(set(active)) != len(active):
             _fail(ValueError, "cache_batch_idx", f"repeated rows {index}",
                   "distinct cache rows when new keys are appended")
-    if table and (rest[0] < 0 or rest[1] >= num_blocks):
+    if table and _outside(rest, num_blocks):
         _fail_on_bad_table(block_table, cache_seqlens, cache_leftpad, seqlen_new, page_size,
                            num_blocks)
     versions = _versions(tensors)
@@ -802,7 +824,14 @@ def _check_paged_varlen_values(cu_seqlens_k: Tensor, block_table: Tensor, *, max
               f"at least the longest sequence in the cu_seqlens ({max(lengths)})")
     if block_table.numel() == 0:
         return
-    end = torch.tensor(lengths, dtype=torch.int32, device=block_table.device)
-    least, greatest = torch.cat(_used_entry_range(block_table, end, None, 0, page_size)).tolist()
-    if least < 0 or greatest >= num_blocks:
+    gather = _dispatch.select_kvcache_checks(block_table)
+    if gather is not None:  # the lengths come from cu_seqlens_k on the device
+        with _custom_ops._on_device_of(block_table):
+            ranges = gather(cu_seqlens_k, None, None, block_table, seqlen_new=0,
+                            page_size=page_size, cumulative=True).tolist()
+    else:
+        end = torch.tensor(lengths, dtype=torch.int32, device=block_table.device)
+        ranges = torch.cat(_used_entry_range(block_table, end, None, 0, page_size)).tolist()
+    if _outside(ranges, num_blocks):
+        end = torch.tensor(lengths, dtype=torch.int32, device=block_table.device)
         _fail_on_bad_table(block_table, end, None, 0, page_size, num_blocks)
