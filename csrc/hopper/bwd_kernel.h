@@ -646,18 +646,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       if (mask.needs_mask(q_lo, q_lo + M - 1, key_lo, key_lo + Traits::kKeysPerWarpgroup - 1)) {
         mask.apply_transposed(tSrS, key0, q_lo + col_lane, 0.f);
       }
-      // dV += P^T dO, issued here, or with 128 query rows once dS^T is formed too ([Note] dQ by
-      // query rows in bwd_traits.h)
-      auto issue_dv = [&] {
-        warpgroup_fence_operand(tDvrDv);
-        warpgroup_fence_operand(tPa_words);
+      // acc += A B with A (P^T or dS^T) from registers and B (dO or Q) from this stage's slot
+      auto issue_dkv_gemm = [&](auto& acc, auto& a, auto& a_words, auto& b) {
+        warpgroup_fence_operand(acc);
+        warpgroup_fence_operand(a_words);
         warpgroup_arrive();
         CUTE_UNROLL
-        for (int kb = 0; kb < size<2>(tPa); ++kb) {
-          cute::gemm(mma_dkv, tPa(_, _, kb), tKVrDo(_, _, kb, st.stage), tDvrDv);
+        for (int kb = 0; kb < size<2>(a); ++kb) {
+          cute::gemm(mma_dkv, a(_, _, kb), b(_, _, kb, st.stage), acc);
         }
         warpgroup_commit_batch();
       };
+      // dV += P^T dO, issued here, or with 128 query rows once dS^T is formed too ([Note] dQ by
+      // query rows in bwd_traits.h)
+      auto issue_dv = [&] { issue_dkv_gemm(tDvrDv, tPa, tPa_words, tKVrDo); };
       if constexpr (!Traits::kLateDv) {
         to_a_operand(tSrS, tPa);
         issue_dv();
@@ -691,16 +693,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
 
       // dK += dS^T Q, issued here, or with 128 query rows after the dQ GEMM ([Note] dK behind
       // dQ)
-      auto issue_dk = [&] {
-        warpgroup_fence_operand(tDkrDk);
-        warpgroup_fence_operand(tDsa_words);
-        warpgroup_arrive();
-        CUTE_UNROLL
-        for (int kb = 0; kb < size<2>(tDsa); ++kb) {
-          cute::gemm(mma_dkv, tDsa(_, _, kb), tKVrQ(_, _, kb, st.stage), tDkrDk);
-        }
-        warpgroup_commit_batch();
-      };
+      auto issue_dk = [&] { issue_dkv_gemm(tDkrDk, tDsa, tDsa_words, tKVrQ); };
       constexpr bool kDkAfterDq = Traits::kDqByRows;
       if constexpr (!kDkAfterDq) issue_dk();
 
@@ -744,10 +737,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
         mma_dq.accumulate_ = gmma::ScaleOut::One;
       }
       warpgroup_commit_batch();
-      if constexpr (kDkAfterDq) {
-        issue_dk();
-        warpgroup_wait<1>();  // dV and dQ are in; dK runs on while the dQ tile is stored
-        warpgroup_fence_operand(tQrDq);
+      // this consumer's fp32 dQ fragments into the dQ tile, handed to the dQ warp ([Note] dQ
+      // through shared memory)
+      auto send_dq_tile = [&] {
         CUTE_UNROLL
         for (int g = 0; g < kDqCols / 8; ++g) {
           st_shared_float4(&dq_tile[wg * Traits::kDqConsumerFloat4 + g * 128 + tid],
@@ -756,14 +748,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
         }
         cutlass::arch::fence_view_async_shared();
         named_barrier_arrive(kDqFullBarrier, kDqThreads);  // the dQ warp sends the tile
-        warpgroup_wait<0>();  // dK is in: Q and dO of the slot are free
-        warpgroup_fence_operand(tDvrDv);
-        warpgroup_fence_operand(tDkrDk);
-        warpgroup_fence_operand(tPa_words);
-        warpgroup_fence_operand(tDsa_words);
-        Barrier::arrive(&empty[st.stage]);
-        st.advance();
-        continue;
+      };
+      if constexpr (kDkAfterDq) {
+        issue_dk();
+        warpgroup_wait<1>();  // dV and dQ are in; dK runs on while the dQ tile is stored
+        warpgroup_fence_operand(tQrDq);
+        send_dq_tile();
       }
       warpgroup_wait<0>();  // also retires dV and dK: Q and dO of the slot are free
       warpgroup_fence_operand(tQrDq);
@@ -775,15 +765,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       if constexpr (kSplit) {
         bwd_dq_from_registers<Traits>(p, seq, batch, head0 + head, q_lo, n_block, tQrDq,
                                       wg, tid);
-      } else {
-        CUTE_UNROLL
-        for (int g = 0; g < kDqCols / 8; ++g) {
-          st_shared_float4(&dq_tile[wg * Traits::kDqConsumerFloat4 + g * 128 + tid],
-                           tQrDq(make_coord(0, 0, g), 0, 0), tQrDq(make_coord(1, 0, g), 0, 0),
-                           tQrDq(make_coord(0, 1, g), 0, 0), tQrDq(make_coord(1, 1, g), 0, 0));
-        }
-        cutlass::arch::fence_view_async_shared();
-        named_barrier_arrive(kDqFullBarrier, kDqThreads);  // the dQ warp sends the tile
+      } else if constexpr (!kDkAfterDq) {
+        send_dq_tile();
       }
       st.advance();
     }
