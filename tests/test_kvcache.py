@@ -356,11 +356,9 @@ def test_triton_long_appends_match_oracle(flash_attn, triton_device, name, num_s
     run_case(flash_attn, LONG_APPENDS[name], device=triton_device, num_splits=num_splits)
 
 
-def test_triton_appends_inside_the_attention_launch(flash_attn, triton_device, monkeypatch):
-    """The attention kernel writes the new keys itself: a call with new keys launches it alone,
-    or with the combine when the keys are split, and no append kernel (after the value checks'
-    gather). Every launch goes through a cached launcher (``_triton/launch.py``), whether or
-    not it reuses a compiled kernel."""
+def _record_launches(flash_attn, monkeypatch) -> list:
+    """The names of the kernels launched through a cached launcher (``_triton/launch.py``)
+    from now on, in order."""
     launcher_type = submodule(flash_attn, "_triton.launch").CachedLauncher
     launched, launch = [], launcher_type.launch
 
@@ -369,6 +367,15 @@ def test_triton_appends_inside_the_attention_launch(flash_attn, triton_device, m
         return launch(launcher, bound, grid, leading)
 
     monkeypatch.setattr(launcher_type, "launch", recording)
+    return launched
+
+
+def test_triton_appends_inside_the_attention_launch(flash_attn, triton_device, monkeypatch):
+    """The attention kernel writes the new keys itself: a call with new keys launches it alone,
+    or with the combine when the keys are split, and no append kernel (after the value checks'
+    gather). Every launch goes through a cached launcher (``_triton/launch.py``), whether or
+    not it reuses a compiled kernel."""
+    launched = _record_launches(flash_attn, monkeypatch)
     # over 128 keys of capacity: a GPU's 128-key steps (pages of 4) have two blocks to split
     case = Case(page_size=4, lengths=(140, 9), seqlen_new=3, seqlen_q=2, rotary="interleaved")
     for num_splits, kernels in ((1, ["_values_kernel", "_attend_kernel"]),
@@ -594,11 +601,11 @@ def test_call_memo_checks_a_call_shape_once(flash_attn, monkeypatch):
 def test_value_checks_skip_when_told(flash_attn, monkeypatch):
     """``FLASH_ATTN_HUB_CHECK_VALUES=0`` turns the value checks off on CUDA tensors only: CPU
     tensors are always checked (reading them costs nothing)."""
-    kvcache = submodule(flash_attn, "kvcache")
+    value_checks = submodule(flash_attn, "_kvcache_values")
     monkeypatch.setenv("FLASH_ATTN_HUB_CHECK_VALUES", "0")
-    assert kvcache._checking_values(torch.zeros(1, dtype=torch.int32))
+    assert value_checks._checking_values(torch.zeros(1, dtype=torch.int32))
     if torch.cuda.is_available():
-        assert not kvcache._checking_values(torch.zeros(1, dtype=torch.int32, device="cuda"))
+        assert not value_checks._checking_values(torch.zeros(1, dtype=torch.int32, device="cuda"))
 
 
 def test_value_checks_run_once_per_version(flash_attn, monkeypatch):
@@ -607,10 +614,10 @@ def test_value_checks_run_once_per_version(flash_attn, monkeypatch):
     through torch, through a view too, or another tensor of the same values is checked again,
     and a value made bad in place raises naming its argument; inference tensors are checked
     every call."""
-    kvcache = submodule(flash_attn, "kvcache")
+    value_checks = submodule(flash_attn, "_kvcache_values")
     checks = []
-    real = kvcache._used_entry_range
-    monkeypatch.setattr(kvcache, "_used_entry_range", lambda *a: checks.append(1) or real(*a))
+    real = value_checks._used_entry_range
+    monkeypatch.setattr(value_checks, "_used_entry_range", lambda *a: checks.append(1) or real(*a))
     torch.manual_seed(0)
     args, _ = build(Case(page_size=4, lengths=(5, 6, 2)), "cpu")
     base = args["cache_seqlens"].repeat(2)
@@ -654,7 +661,7 @@ def test_used_entry_range_finds_every_bad_used_entry(flash_attn):
     holds an entry outside [0, num_blocks) (a plain-Python count of the used pages): random
     tables with bad entries inside and outside the pages that lengths, left pads, padding slots
     (-1) and new keys make used, page sizes 1 to 7."""
-    kvcache = submodule(flash_attn, "kvcache")
+    value_checks = submodule(flash_attn, "_kvcache_values")
     gen = torch.Generator().manual_seed(0)
     tripped = 0
     for trial in range(300):
@@ -670,7 +677,7 @@ def test_used_entry_range_finds_every_bad_used_entry(flash_attn):
         bad = torch.rand(batch, cols, generator=gen) < 0.05
         table[bad] = torch.where(torch.rand(batch, cols, generator=gen) < 0.5, -1,
                                  num_blocks)[bad].int()
-        least, greatest = kvcache._used_entry_range(table, seqlens, leftpad, new, page_size)
+        least, greatest = value_checks._used_entry_range(table, seqlens, leftpad, new, page_size)
         expected = False
         for b in range(batch):
             n = int(seqlens[b])
@@ -686,7 +693,7 @@ def test_used_entry_range_finds_every_bad_used_entry(flash_attn):
 POISON_INT = -123456789  # what an element of the gather's output holds until it is written
 
 
-def gather_reference(kvcache, lengths, leftpad, batch_idx, table, new, page_size,
+def gather_reference(value_checks, lengths, leftpad, batch_idx, table, new, page_size,
                      cumulative=False) -> list:
     """What ``_triton.kvcache_checks.gather_values`` must write, from the torch path: the
     index vectors, then per row ``_used_entry_range`` of that row alone ((0, 0) for a table
@@ -698,9 +705,9 @@ def gather_reference(kvcache, lengths, leftpad, batch_idx, table, new, page_size
     values += [] if batch_idx is None else batch_idx.tolist()
     if table is None:
         return values
-    ranges = [kvcache._used_entry_range(table[b:b + 1], lengths[b:b + 1],
-                                        None if leftpad is None else leftpad[b:b + 1], new,
-                                        page_size) if table.shape[1] else (0, 0)
+    ranges = [value_checks._used_entry_range(table[b:b + 1], lengths[b:b + 1],
+                                             None if leftpad is None else leftpad[b:b + 1],
+                                             new, page_size) if table.shape[1] else (0, 0)
               for b in range(len(lengths))]
     return values + [int(r[0]) for r in ranges] + [int(r[1]) for r in ranges]
 
@@ -713,7 +720,7 @@ def test_device_gather_matches_the_torch_path(flash_attn, triton_device):
     stray bad entries (-1, num_blocks, the int32 extremes), page sizes 1-7 and 16, left pads
     (past the length too), padding slots (-1), lengths below -1, zero lengths and lengths past
     the capacity, new keys 0-2, and lengths as ``cu_seqlens_k`` differences."""
-    kvcache = submodule(flash_attn, "kvcache")
+    value_checks = submodule(flash_attn, "_kvcache_values")
     checks = submodule(flash_attn, "_triton.kvcache_checks")
     device = torch.device(triton_device)
     step = checks._columns_per_step(device)
@@ -749,7 +756,7 @@ def test_device_gather_matches_the_torch_path(flash_attn, triton_device):
         with_table = trial % 7 != 6
         given = [ints([0, *lengths]).cumsum(0).int() if cumulative else ints(lengths), ints(pads),
                  ints(rows), table if with_table else None]
-        expected = gather_reference(kvcache, *given, new, page_size, cumulative)
+        expected = gather_reference(value_checks, *given, new, page_size, cumulative)
         on_device = [None if t is None else t.to(device) for t in given]
         out = torch.full((len(expected),), POISON_INT, dtype=torch.int32, device=device)
         checks.gather_values(out, *on_device, seqlen_new=new, page_size=page_size,
@@ -772,7 +779,7 @@ def test_device_gather_matches_the_torch_path(flash_attn, triton_device):
                  "some_pages"] += 1
             seen["past_a_step"] += used > step
         least, greatest = min(expected[-2 * batch:-batch]), max(expected[-batch:])
-        whole = kvcache._used_entry_range(table, ints(lengths), ints(pads), new, page_size)
+        whole = value_checks._used_entry_range(table, ints(lengths), ints(pads), new, page_size)
         assert (least, greatest) == tuple(map(int, whole)), label
         seen["tripped"] += least < 0 or greatest >= num_blocks
     assert all(count >= 10 for count in seen.values()), seen  # every kind of row was drawn
@@ -792,7 +799,7 @@ def _errors_on_both_paths(flash_attn, monkeypatch, device, call, args) -> tuple[
     """The message of ``call(**args)`` on CPU tensors through the torch ops and on ``device``
     through the one launch of ``_triton.kvcache_checks`` (which must run once, with no torch
     op of the checks' range)."""
-    kvcache = submodule(flash_attn, "kvcache")
+    value_checks = submodule(flash_attn, "_kvcache_values")
     checks = submodule(flash_attn, "_triton.kvcache_checks")
     monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "cpu")
     with pytest.raises(ValueError) as torch_ops:
@@ -800,7 +807,7 @@ def _errors_on_both_paths(flash_attn, monkeypatch, device, call, args) -> tuple[
     gathered, gather = [], checks.check_values
     monkeypatch.setattr(checks, "check_values", lambda *a, **k: gathered.append(1) or
                         gather(*a, **k))
-    monkeypatch.setattr(kvcache, "_used_entry_range", None)  # calling it fails
+    monkeypatch.setattr(value_checks, "_used_entry_range", None)  # calling it fails
     monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "triton")
     with pytest.raises(ValueError) as one_launch:
         call(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()})
@@ -840,14 +847,7 @@ def test_checked_triton_call_gathers_in_one_launch(flash_attn, triton_device, mo
     index tensors skips the checks ([Note: value checks], once per version; on a GPU its
     attention may go through the lane, which launches without the launcher's ``launch``)."""
     monkeypatch.setattr(submodule(flash_attn, "kvcache"), "_lanes", {})
-    launcher_type = submodule(flash_attn, "_triton.launch").CachedLauncher
-    launched, launch = [], launcher_type.launch
-
-    def recording(launcher, bound, grid, leading):
-        launched.append(launcher.fn.fn.__name__)
-        return launch(launcher, bound, grid, leading)
-
-    monkeypatch.setattr(launcher_type, "launch", recording)
+    launched = _record_launches(flash_attn, monkeypatch)
     torch.manual_seed(0)
     args, _ = build(Case(page_size=4, lengths=(5, -1, 9), leftpad=(1, 0, 6)), triton_device)
     flash_attn.flash_attn_with_kvcache(**args, num_splits=1)

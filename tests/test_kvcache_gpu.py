@@ -165,7 +165,7 @@ def test_gpu_value_checks_gather_in_one_cached_launch(flash_attn, monkeypatch):
     entry still raises naming it. At decode sizes (64 sequences over 32k keys in 16-key pages:
     2048 columns, several column steps; pages of 1 and 256 too) the gather's numbers are the
     torch path's."""
-    kvcache = submodule(flash_attn, "kvcache")
+    value_checks = submodule(flash_attn, "_kvcache_values")
     checks = submodule(flash_attn, "_triton.kvcache_checks")
     monkeypatch.delenv("FLASH_ATTN_HUB_BACKEND", raising=False)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -178,13 +178,13 @@ def test_gpu_value_checks_gather_in_one_cached_launch(flash_attn, monkeypatch):
         pages = torch.arange(cols, device="cuda") * page_size
         table[pages[None, :] > lengths[:, None]] = -1  # -1 past each row's pages (+ 1 new key)
         table[batch // 2, 0] = -7  # a bad entry, used unless that row's left pad skips it
-        expected = gather_reference(kvcache, lengths, leftpad, None, table, 1, page_size)
+        expected = gather_reference(value_checks, lengths, leftpad, None, table, 1, page_size)
         out = torch.full((len(expected),), POISON_INT, device="cuda", dtype=torch.int32)
         checks.gather_values(out, lengths, leftpad, None, table, seqlen_new=1,
                              page_size=page_size)
         assert out.tolist() == expected, (page_size, batch, capacity)
 
-    monkeypatch.setattr(kvcache, "_used_entry_range", None)  # calling it fails
+    monkeypatch.setattr(value_checks, "_used_entry_range", None)  # calling it fails
     case = Case(page_size=16, lengths=(1000, 17, -1, 2500), heads=(32, 8), head_dim=128,
                 dtype=torch.bfloat16)
     torch.manual_seed(0)

@@ -36,7 +36,7 @@ from .workloads import Inputs, Workload, visible_pairs
 
 BACKEND_ENV = "FLASH_ATTN_HUB_BACKEND"
 # Our kv-cache entry points check index values on the host unless a CUDA graph is captured
-# (a device-to-host read per eager call); a serving loop turns that off (kvcache.py's
+# (a device-to-host read per eager call); a serving loop turns that off (_kvcache_values.py's
 # [Note: value checks]), and so does the benchmark, so eager host time is the loop's.
 KV_CHECK_VALUES_ENV = "FLASH_ATTN_HUB_CHECK_VALUES"
 GPU_DEFAULT = ("ours-cuda", "ours-triton", "fa4", "sdpa-cudnn", "sdpa-flash", "flex", "flash-attn2", "fa3",

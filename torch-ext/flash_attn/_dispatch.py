@@ -219,8 +219,8 @@ def select_kvcache_backend(q, *, paged: bool, varlen: bool):
     return getattr(_import(module), function)
 
 
-# The value checks of kv-cache calls (``kvcache``'s [Note: value checks]) gather what the host
-# reads in one launch where the call's kernels are Triton's; elsewhere they run torch ops.
+# The value checks of kv-cache calls (``_kvcache_values``' [Note: value checks]) gather what the
+# host reads in one launch where the call's kernels are Triton's; elsewhere they run torch ops.
 _KVCACHE_CHECKS = ("_triton.kvcache_checks", "check_values")
 
 

@@ -51,7 +51,7 @@ the kernel's instructions are those of the attention alone.
 
 [Note: masked cache access] Every load and store is masked to the cache: positions past the
 sequence (or past the cache), a block index outside ``[0, num_blocks)``, a cache row outside
-the cache. The host checks these values on eager calls (``kvcache``'s [Note: value checks]);
+the cache. The host checks these values on eager calls (``_kvcache_values``' [Note: value checks]);
 a captured call that skips the checks reads zeros for a bad key (scored -inf: it is not a key)
 and drops a bad append (the call itself still attends to that new key, read from ``k``), but
 never touches memory outside the cache. ``cache_seqlens = -1`` (a padding slot) appends

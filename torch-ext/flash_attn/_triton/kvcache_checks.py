@@ -11,10 +11,10 @@ Glossary:
                      for a negative length): columns ``[first, last)``, ``first = max(start,
                      0) // page_size``, ``last = min(cdiv(end, page_size), table_width)``
                      (page ``j`` is used when ``j * page_size < end`` and ``(j + 1) *
-                     page_size > start``; ``kvcache._used_pages``' rule)
+                     page_size > start``; ``_kvcache_values._used_pages``' rule)
   range of a row     the least and the greatest of its entries with 0 standing in for its
-                     unused columns (what ``kvcache._used_entry_range`` gives for that row
-                     alone): the used entries' own when the row uses every column, else
+                     unused columns (what ``_kvcache_values._used_entry_range`` gives for
+                     that row alone): the used entries' own when the row uses every column, else
                      widened to include 0, and ``(0, 0)`` for a row that uses none
 
 Output (int32, ``(count,)``), in blocks of B: the lengths (not with CUMULATIVE), the left pads
