@@ -33,6 +33,7 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <climits>
 #include <cmath>
 
 namespace flash::hopper {
@@ -108,24 +109,27 @@ struct BandMask {
 
   // The backward's transposed tile: rows are keys (key0 = this thread's first key row), columns
   // are queries (q0 = first query of the block plus 2 * (lane % 4)); invisible entries get value.
+  // Each key row's visible queries are one range [q_first, q_last], found before the row's
+  // entries, so that an entry costs two compares and a select. Testing the window's bounds per
+  // entry instead (they are run-time values) compiled to a branch around every entry.
   template <class Frag>
   __device__ __forceinline__ void apply_transposed(Frag& s, int key0, int q0, float value) const {
     constexpr int kGroups = frag_col_groups<Frag>();
     CUTE_UNROLL
     for (int c1 = 0; c1 < 2; ++c1) {
       const int key = key0 + 8 * c1;
-      const bool key_ok = key < seqlen_k;
+      int q_first = 0;                             // queries are >= 0
+      int q_last = key < seqlen_k ? INT_MAX : -1;  // a key past the sequence: no query sees it
+      if constexpr (kWindow) {
+        if (right >= 0) q_first = key - diag - right;              // key <= q + diag + right
+        if (left >= 0) q_last = min(q_last, key - diag + left);    // key >= q + diag - left
+      }
       CUTE_UNROLL
       for (int g = 0; g < kGroups; ++g) {
         CUTE_UNROLL
         for (int c0 = 0; c0 < 2; ++c0) {
           const int q = q0 + 8 * g + c0;
-          bool ok = key_ok;
-          if constexpr (kWindow) {
-            if (left >= 0) ok &= key >= q + diag - left;
-            if (right >= 0) ok &= key <= q + diag + right;
-          }
-          if (!ok) s(cute::make_coord(c0, c1, g), 0, 0) = value;
+          if (q < q_first || q > q_last) s(cute::make_coord(c0, c1, g), 0, 0) = value;
         }
       }
     }
