@@ -163,6 +163,18 @@ def test_lengths_and_windows(cuda_backend, attn_params, sq, sk, window, d):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("window", [(2**40, 0), (2**32, 2**31 + 5), (-1, 2**32 + 3)],
+                         ids=["causal-wide-left", "both-wide", "wide-right"])
+def test_windows_wider_than_an_int(cuda_backend, attn_params, window):
+    """flash-attn 2 takes any int as a window side; narrowed to the kernels' int, 2^32 + 3
+    would become 3. A side wider than the sequence hides nothing, whatever its size."""
+    q, k, v = seeded_cuda_qkv(2, 239, 113, 3, 3, 64, seed=11)
+    _check(cuda_backend, q, k, v, backend_params(attn_params, 64, window=window, max_q=239,
+                                                 max_k=113))
+
+
+@pytest.mark.gpu
+@needs_sm90
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_softcap(cuda_backend, attn_params, causal, d):

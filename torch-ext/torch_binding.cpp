@@ -92,6 +92,14 @@ void check_same_shape(const char* op, const Tensor& a, const char* a_name, const
   }
 }
 
+// A window side as the kernels hold it. They compute positions in int, and flash-attn 2 takes
+// any int: a side wider than any sequence hides no key, so one past 2^30 is held at 2^30
+// (the same mask for any sequence shorter than 2^30 tokens) instead of wrapping when narrowed.
+int window_side(int64_t w) {
+  constexpr int64_t kWidest = int64_t(1) << 30;
+  return static_cast<int>(w < kWidest ? w : kWidest);
+}
+
 // The fields shared by the forward and the backward, checked and filled from the forward's
 // tensors (out and lse are the forward's outputs, or the backward's saved inputs).
 flash::FlashParams forward_params(const char* op, const Tensor& q, const Tensor& k,
@@ -127,8 +135,8 @@ flash::FlashParams forward_params(const char* op, const Tensor& q, const Tensor&
   p.head_dim = static_cast<int>(d);
   p.scale = static_cast<float>(scale);
   p.softcap = static_cast<float>(softcap);
-  p.window_left = static_cast<int>(window_left);
-  p.window_right = static_cast<int>(window_right);
+  p.window_left = window_side(window_left);
+  p.window_right = window_side(window_right);
   // (.., rows, heads, d): the last three dims are shared by both layouts.
   p.heads_q = static_cast<int>(q.size(-2));
   p.heads_kv = static_cast<int>(k.size(-2));
