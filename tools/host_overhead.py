@@ -247,7 +247,7 @@ def kvcache_main(fa, args) -> int:
     position = seqlens.to(torch.int64)  # where an SDPA decode step writes its new token
     kvcache_module = importlib.import_module(fa.__name__ + ".kvcache")
 
-    # Value checks run once per version of the index tensors (kvcache.py, [Note: value
+    # Value checks run once per version of the index tensors (_kvcache_values.py, [Note: value
     # checks]): "checks, each call" alternates two equal cache_seqlens tensors, so every call is
     # checked (the first layer of a decode step); "checks, same tensors" passes one, so only the
     # first call is (the later layers of a step).

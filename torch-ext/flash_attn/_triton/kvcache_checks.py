@@ -1,6 +1,6 @@
-"""The one launch behind the value checks of the KV-cache calls (``kvcache``'s [Note: value
-checks]): :func:`_values_kernel` gathers every number the host then reads, so a check costs
-one launch and one device-to-host copy.
+"""The one launch behind the value checks of the KV-cache calls (``_kvcache_values``' [Note:
+value checks]): :func:`_values_kernel` gathers every number the host then reads, so a check
+costs one launch and one device-to-host copy.
 
 Glossary:
   B                  sequences (rows of the block table), one program each
