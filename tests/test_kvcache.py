@@ -696,11 +696,12 @@ POISON_INT = -123456789  # what an element of the gather's output holds until it
 def gather_reference(value_checks, lengths, leftpad, batch_idx, table, new, page_size,
                      cumulative=False) -> list:
     """What ``_triton.kvcache_checks.gather_values`` must write, from the torch path: the
-    index vectors, then per row ``_used_entry_range`` of that row alone ((0, 0) for a table
-    of no column), least entries first."""
+    index vectors (with ``cumulative``, the B + 1 values of ``cu_seqlens_k`` themselves), then
+    per row ``_used_entry_range`` of that row alone ((0, 0) for a table of no column), least
+    entries first."""
+    values = lengths.tolist()
     if cumulative:
         lengths = lengths[1:] - lengths[:-1]
-    values = [] if cumulative else lengths.tolist()
     values += [] if leftpad is None else leftpad.tolist()
     values += [] if batch_idx is None else batch_idx.tolist()
     if table is None:
@@ -783,6 +784,10 @@ def test_device_gather_matches_the_torch_path(flash_attn, triton_device):
         assert (least, greatest) == tuple(map(int, whole)), label
         seen["tripped"] += least < 0 or greatest >= num_blocks
     assert all(count >= 10 for count in seen.values()), seen  # every kind of row was drawn
+    empty = checks.check_values(torch.tensor([3], dtype=torch.int32, device=device), None, None,
+                                torch.zeros(0, 2, dtype=torch.int32, device=device),
+                                seqlen_new=0, page_size=4, cumulative=True)
+    assert empty.tolist() == [3]  # no sequence: the one cumulative value, copied
 
 
 BAD_VALUES = ["cache_seqlens_past_capacity", "cache_seqlens_below_padding",
@@ -954,6 +959,83 @@ def test_paged_varlen_bad_input(flash_attn, label, edit, exc, name):
     with pytest.raises(exc) as info:
         flash_attn.flash_attn_varlen_func(**args)
     assert str(info.value).startswith(f"{name}: got "), str(info.value)
+
+
+@pytest.mark.parametrize("path", ["torch_ops", "one_launch"])
+def test_paged_varlen_value_checks_run_once_per_version(flash_attn, monkeypatch, request, path):
+    """[Note: value checks], once per version, for a paged ``flash_attn_varlen_func`` call: the
+    layers of a prefill step (the same ``cu_seqlens_k`` and ``block_table`` objects, unchanged,
+    and sizes) are checked once, a ``flash_attn_with_kvcache`` call in between too (each entry
+    point remembers its own call); an in-place change of either tensor, or other sizes, make
+    it check again, and a value made bad in place raises, call after call; a bad call after a
+    good one raises; inference tensors are checked every call. Through the one launch the check reads
+    the host once: ``cu_seqlens_k`` comes back with the ranges, never through
+    ``_validate._host_values``."""
+    value_checks = submodule(flash_attn, "_kvcache_values")
+    validate = submodule(flash_attn, "_validate")
+    if path == "one_launch":
+        device = request.getfixturevalue("triton_device")
+        module, name = submodule(flash_attn, "_triton.kvcache_checks"), "check_values"
+    else:
+        device = "cpu"
+        monkeypatch.setenv("FLASH_ATTN_HUB_BACKEND", "cpu")
+        module, name = value_checks, "_used_entry_range"
+    checks, check = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: checks.append(1) or check(*a, **k))
+    torch.manual_seed(0)
+    q, k_cache, v_cache, cq, ck, mq, mk, table = build_paged_varlen([2, 3], [5, 9], page_size=4,
+                                                                    device=device)
+    read, host_values = [], validate._host_values
+    monkeypatch.setattr(validate, "_host_values", lambda t: read.append(t) or host_values(t))
+    args = dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq,
+                max_seqlen_k=mk, block_table=table)
+    call = flash_attn.flash_attn_varlen_func
+    for _ in range(3):  # three layers of one step
+        call(**args)
+    assert len(checks) == 1
+    decode, _ = build(Case(page_size=4, lengths=(5, 6, 2)), device)
+    flash_attn.flash_attn_with_kvcache(**decode)  # checked: its own entry point's call
+    call(**args)
+    assert len(checks) == 2
+    ck[-1] -= 1  # the next step, in place: the last sequence one key shorter
+    call(**args)
+    call(**args)
+    assert len(checks) == 3
+    table[0, -1] = -1  # the value it held, written in place: a new version
+    call(**args)
+    call(**args)
+    assert len(checks) == 4
+    call(**{**args, "max_seqlen_k": mk + 1})  # the same tensors, other sizes
+    assert len(checks) == 5
+    with pytest.raises(ValueError, match="^max_seqlen_k: got 1; "):
+        call(**{**args, "max_seqlen_k": 1})
+    call(**args)
+    ck[-1] = ck[-2] - 1  # bad in place, after a call that passed
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"^cu_seqlens_k: got a decrease at index 2 "):
+            call(**args)
+    ck[-1] = ck[-2] + 8
+    call(**args)
+    good = table[1, 0].item()
+    table[1, 0] = k_cache.shape[0]
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"^block_table: got block_table\[1, 0\] = "):
+            call(**args)
+    table[1, 0] = good
+    call(**args)
+    with pytest.raises(ValueError, match="^cu_seqlens_k: got 20 keys for sequence 0; "):
+        call(**{**args, "cu_seqlens_k": ck * 4, "max_seqlen_k": 4 * mk})  # past the capacity
+    checks.clear()
+    call(**args)  # the bad call cleared what the good one before it left
+    call(**args)
+    assert len(checks) == 1
+    with torch.inference_mode():
+        lengths, rows = ck.clone(), table.clone()
+        for _ in range(2):
+            call(**{**args, "cu_seqlens_k": lengths, "block_table": rows})
+    assert len(checks) == 3
+    if path == "one_launch":
+        assert all(t is cq for t in read), "cu_seqlens_k was read apart from the gather"
 
 
 # ---------------------------------------------------------------------------------------------

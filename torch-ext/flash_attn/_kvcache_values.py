@@ -10,26 +10,32 @@ and, with new keys, distinct, every block-table entry a sequence uses in ``[0, n
 * on CUDA tensors unless a CUDA graph is being captured
   (``torch.cuda.is_current_stream_capturing()``), ``torch.compile`` is tracing, or
   ``FLASH_ATTN_HUB_CHECK_VALUES=0``. On CUDA they cost one small kernel and one
-  device-to-host copy of ``B`` to ``4 B`` int32 per call (``2 B`` for a paged varlen call),
-  which waits for the work queued before it. A serving loop that captures its decode step in a
-  CUDA graph (as transformers' continuous batching does) pays it only in its eager warm-up; an
-  eager loop can opt out with the environment variable.
+  device-to-host copy of ``B`` to ``4 B`` int32 per checked call (``3 B + 1`` for a paged
+  varlen call: ``cu_seqlens_k`` and the ranges), which waits for the work queued before it.
+  A serving loop that captures its decode step in a CUDA graph (as transformers' continuous
+  batching does) pays it only in its eager warm-up; an eager loop can opt out with the
+  environment variable.
 
 Where the call runs on Triton (CUDA tensors unless the ``cpu`` backend is asked for, and CPU
 tensors with ``triton`` under the interpreter), one launch of ``_triton.kvcache_checks``
-(chosen by ``_dispatch.select_kvcache_checks``) writes the index vectors and each sequence's
-least and greatest used block-table entry into one int32 buffer, read with one ``.tolist()``;
-the host takes the least and the greatest over sequences. Elsewhere torch ops compute the same
-numbers (:func:`_used_entry_range`: the range over the whole table at once). Either way a
-range that leaves ``[0, num_blocks)`` sends the call to :func:`_fail_on_bad_table`, which names
-the first bad entry from an exact mask, so both paths raise the same errors.
+(chosen by ``_dispatch.select_kvcache_checks``) writes the index vectors (``cu_seqlens_k``
+itself for a paged varlen call) and each sequence's least and greatest used block-table entry
+into one int32 buffer, read with one ``.tolist()``; the host takes the least and the greatest
+over sequences. Elsewhere torch ops compute the same numbers (:func:`_used_entry_range`: the
+range over the whole table at once). Either way a range that leaves ``[0, num_blocks)`` sends
+the call to :func:`_fail_on_bad_table`, which names the first bad entry from an exact mask, so
+both paths raise the same errors.
 
 The checks run once per version of the index tensors: a call with the very tensors (the same
 objects, unchanged since) and sizes of the last call that passed skips them, so the layers of
 one decode step, which share ``cache_seqlens`` and ``block_table``, pay one check per step, not
-one per layer. Changing a tensor in place through torch (``cache_seqlens += 1``, ``copy_``, a
-write into a view of it) bumps its version and the next call checks again; a write that torch
-does not see (a custom kernel writing through the tensor's pointer, or a CUDA graph's replay of
+one per layer. A paged varlen call is memoised the same way on ``cu_seqlens_k`` and
+``block_table``, whose check is the one read above (its ``cu_seqlens_q`` check reads through
+``_validate._host_values``, which copies a tensor once per version), and each entry point
+remembers its own last passed call, so a step that mixes a paged prefill with a decode keeps
+both. Changing a tensor in place through torch (``cache_seqlens += 1``, ``copy_``, a write
+into a view of it) bumps its version and the next call checks again; a write that torch does
+not see (a custom kernel writing through the tensor's pointer, or a CUDA graph's replay of
 captured writes) does not, and inference tensors (made under ``torch.inference_mode``) have no
 version, so they are checked every call.
 
@@ -107,9 +113,11 @@ def _fail_on_bad_table(block_table: Tensor, cache_seqlens: Tensor, cache_leftpad
               "a sequence's last page may be -1)")
 
 
-# What the last call that passed the value checks held: its sizes, and per index tensor its
-# ``_validate.tensor_version`` (None where absent) ([Note: value checks], once per version).
-_passed: tuple = ()
+# Per check (``"cache"``: ``flash_attn_with_kvcache``, ``"paged_varlen"``), what its last call
+# that passed held: its sizes, and per index tensor its ``_validate.tensor_version`` (None where
+# absent) ([Note: value checks], once per version). One entry per check, so that the two entry
+# points, called in turn, do not evict each other.
+_passed: dict[str, tuple] = {}
 
 
 def _versions(tensors: tuple) -> tuple | None:
@@ -119,12 +127,20 @@ def _versions(tensors: tuple) -> tuple | None:
     return None if any(v is None for t, v in zip(tensors, versions) if t is not None) else versions
 
 
-def _unchanged(sizes: tuple, tensors: tuple) -> bool:
-    """Whether ``tensors`` are the objects of the last call that passed, at the versions they
-    had then, with the same ``sizes``."""
-    return bool(_passed) and _passed[0] == sizes and all(
+def _unchanged(check: str, sizes: tuple, tensors: tuple) -> bool:
+    """Whether ``tensors`` are the objects of the last call that passed ``check``, at the
+    versions they had then, with the same ``sizes``."""
+    passed = _passed.get(check)
+    return passed is not None and passed[0] == sizes and all(
         held is None if t is None else _validate.same_version(held, t)
-        for t, held in zip(tensors, _passed[1]))
+        for t, held in zip(tensors, passed[1]))
+
+
+def _remember(check: str, sizes: tuple, tensors: tuple) -> None:
+    """Records a call that passed ``check``, unless one of its tensors has no version."""
+    versions = _versions(tensors)
+    if versions is not None:
+        _passed[check] = (sizes, versions)
 
 
 def _check_cache_values(*, batch: int, seqlen_new: int, capacity: int, cache_seqlens: Tensor,
@@ -134,15 +150,14 @@ def _check_cache_values(*, batch: int, seqlen_new: int, capacity: int, cache_seq
     and of the range of the used block-table entries, unless the tensors and sizes are the last
     passed call's, unchanged. ``gated``: the caller has established that checks run (a lane
     has: its key rules out compiling and fixes the environment, and it tests capture itself)."""
-    global _passed
     if not gated and not _checking_values(cache_seqlens, cache_leftpad, cache_batch_idx,
                                           block_table):
         return
     sizes = (batch, seqlen_new, capacity, batch_cache, page_size, num_blocks)
     tensors = (cache_seqlens, cache_leftpad, cache_batch_idx, block_table)
-    if _unchanged(sizes, tensors):
+    if _unchanged("cache", sizes, tensors):
         return
-    _passed = ()
+    _passed.pop("cache", None)
     table = block_table is not None and block_table.numel() > 0
     gather = _dispatch.select_kvcache_checks(cache_seqlens)
     if gather is not None:
@@ -181,19 +196,34 @@ def _check_cache_values(*, batch: int, seqlen_new: int, capacity: int, cache_seq
     if table and _outside(rest, num_blocks):
         _fail_on_bad_table(block_table, cache_seqlens, cache_leftpad, seqlen_new, page_size,
                            num_blocks)
-    versions = _versions(tensors)
-    _passed = () if versions is None else (sizes, versions)
+    _remember("cache", sizes, tensors)
 
 
 def _check_paged_varlen_values(cu_seqlens_k: Tensor, block_table: Tensor, *, max_k: int,
                                capacity: int, page_size: int, num_blocks: int) -> None:
     """[Note: value checks] for a paged ``flash_attn_varlen_func`` call: ``cu_seqlens_k`` (starts
     at 0, never decreases, each length within the capacity and ``max_seqlen_k``) and the block
-    table's used entries."""
-    values = _validate._host_values(cu_seqlens_k)
+    table's used entries, from one host read (the gather's, which leads with ``cu_seqlens_k``,
+    where it runs and the table has entries), unless the tensors and sizes are the last passed
+    call's, unchanged."""
+    batch = block_table.shape[0]
+    sizes = (batch, max_k, capacity, page_size, num_blocks)
+    tensors = (cu_seqlens_k, block_table)
+    if _unchanged("paged_varlen", sizes, tensors):
+        return
+    _passed.pop("paged_varlen", None)
+    table = block_table.numel() > 0
+    gather = _dispatch.select_kvcache_checks(block_table) if table else None
+    if gather is not None:  # one read: cu_seqlens_k's values, then the ranges
+        with _custom_ops._on_device_of(block_table):
+            values = gather(cu_seqlens_k, None, None, block_table, seqlen_new=0,
+                            page_size=page_size, cumulative=True).tolist()
+        values, ranges = values[:batch + 1], values[batch + 1:]
+    else:
+        values, ranges = _validate._host_values(cu_seqlens_k), None
     if values[0] != 0:
         _fail(ValueError, "cu_seqlens_k", f"first element {values[0]}", "0")
-    lengths = [values[b + 1] - values[b] for b in range(len(values) - 1)]
+    lengths = [values[b + 1] - values[b] for b in range(batch)]
     for b, n in enumerate(lengths):
         if n < 0:
             _fail(ValueError, "cu_seqlens_k", f"a decrease at index {b + 1} ({values[b]} -> "
@@ -204,16 +234,11 @@ def _check_paged_varlen_values(cu_seqlens_k: Tensor, block_table: Tensor, *, max
     if lengths and max(lengths) > max_k:
         _fail(ValueError, "max_seqlen_k", max_k,
               f"at least the longest sequence in the cu_seqlens ({max(lengths)})")
-    if block_table.numel() == 0:
-        return
-    gather = _dispatch.select_kvcache_checks(block_table)
-    if gather is not None:  # the lengths come from cu_seqlens_k on the device
-        with _custom_ops._on_device_of(block_table):
-            ranges = gather(cu_seqlens_k, None, None, block_table, seqlen_new=0,
-                            page_size=page_size, cumulative=True).tolist()
-    else:
+    if table and (ranges is None or _outside(ranges, num_blocks)):
+        # the torch ops' range, or the bad entry to name, need the lengths on the device
         end = torch.tensor(lengths, dtype=torch.int32, device=block_table.device)
-        ranges = torch.cat(_used_entry_range(block_table, end, None, 0, page_size)).tolist()
-    if _outside(ranges, num_blocks):
-        end = torch.tensor(lengths, dtype=torch.int32, device=block_table.device)
-        _fail_on_bad_table(block_table, end, None, 0, page_size, num_blocks)
+        if ranges is None:
+            ranges = torch.cat(_used_entry_range(block_table, end, None, 0, page_size)).tolist()
+        if _outside(ranges, num_blocks):
+            _fail_on_bad_table(block_table, end, None, 0, page_size, num_blocks)
+    _remember("paged_varlen", sizes, tensors)

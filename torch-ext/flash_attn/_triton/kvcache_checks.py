@@ -17,12 +17,14 @@ Glossary:
                      that row alone): the used entries' own when the row uses every column, else
                      widened to include 0, and ``(0, 0)`` for a row that uses none
 
-Output (int32, ``(count,)``), in blocks of B: the lengths (not with CUMULATIVE), the left pads
-and the batch indices (when given), then with a table each row's least entry and each row's
-greatest (the host takes the min and the max over rows). int32 holds every value: each is an
-element of an int32 tensor or 0 (the callers accept only int32 index tensors and tables); the
-arithmetic on positions is int64 (``cache_seqlens + seqlen_new`` and ``column * page_size`` may
-pass 2**31 on a bad length or a wide table).
+Output (int32, ``(count,)``): LENGTHS copied (B values, or with CUMULATIVE the B + 1 of
+``cu_seqlens_k``, so the host checks them from the same read; program ``b`` writes element
+``b + 1`` and program 0 element 0 too), then in blocks of B the left pads and the batch indices
+(when given), then with a table each row's least entry and each row's greatest (the host takes
+the min and the max over rows). int32 holds every value: each is an element of an int32 tensor
+or 0 (the callers accept only int32 index tensors and tables); the arithmetic on positions is
+int64 (``cache_seqlens + seqlen_new``, a difference of ``cu_seqlens_k`` and ``column *
+page_size`` may pass 2**31 on a bad length or a wide table).
 """
 
 from __future__ import annotations
@@ -50,8 +52,13 @@ def _values_kernel(OUT, LENGTHS, CACHE_LEFTPAD, CACHE_BATCH_IDX, BLOCK_TABLE,
                    HAS_BATCH_IDX: tl.constexpr, HAS_TABLE: tl.constexpr):
     b = tl.program_id(0)
     if CUMULATIVE:
-        length = tl.load(LENGTHS + b + 1).to(tl.int64) - tl.load(LENGTHS + b)
-        at = OUT + b  # where the next block of B goes
+        offset = tl.load(LENGTHS + b)
+        next_offset = tl.load(LENGTHS + b + 1)
+        if b == 0:
+            tl.store(OUT, offset)
+        tl.store(OUT + b + 1, next_offset)
+        length = next_offset.to(tl.int64) - offset
+        at = OUT + batch + 1 + b  # where the next block of B goes
     else:
         length = tl.load(LENGTHS + b)
         tl.store(OUT + b, length)
@@ -93,21 +100,24 @@ _values = CachedLauncher(_values_kernel)
 
 def value_count(batch: int, *, leftpad: bool, batch_idx: bool, table: bool,
                 cumulative: bool) -> int:
-    """The length of :func:`gather_values`' output for these inputs (module notes)."""
-    return batch * ((0 if cumulative else 1) + leftpad + batch_idx + 2 * table)
+    """The length of :func:`gather_values`' output for these inputs (module notes): with
+    ``cumulative`` one more, the leading ``cu_seqlens_k[0]``."""
+    return batch * (1 + leftpad + batch_idx + 2 * table) + cumulative
 
 
 def gather_values(out: Tensor, lengths: Tensor, cache_leftpad: Tensor | None,
                   cache_batch_idx: Tensor | None, block_table: Tensor | None, *,
                   seqlen_new: int, page_size: int, cumulative: bool = False) -> Tensor:
     """Writes the values the checks read into ``out`` (int32, contiguous, of
-    :func:`value_count`'s length; module notes) in one launch (none for an empty batch);
-    returns ``out``. The index vectors are contiguous int32 on one device, ``block_table`` an
-    int32 ``(B, max_blocks)`` with unit-stride rows (any ``max_blocks``, 0 too), ``page_size``
-    >= 1; ``cumulative``: ``lengths`` is ``cu_seqlens_k``. Launched on the current device."""
+    :func:`value_count`'s length; module notes) in one launch (none for an empty batch: a copy
+    of the one cumulative value with ``cumulative``, else nothing); returns ``out``. The index
+    vectors are contiguous int32 on one device, ``block_table`` an int32 ``(B, max_blocks)``
+    with unit-stride rows (any ``max_blocks``, 0 too), ``page_size`` >= 1; ``cumulative``:
+    ``lengths`` is ``cu_seqlens_k``, whose values lead the output. Launched on the current
+    device."""
     batch = lengths.shape[0] - cumulative
     if batch == 0:
-        return out
+        return out.copy_(lengths) if cumulative else out
     table = block_table is not None
     launch = _values.bind(
         block_table.stride(0) if table else 0, batch, block_table.shape[1] if table else 0,
