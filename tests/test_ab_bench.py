@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,27 @@ def test_ab_on_the_cpu_grid(flash_attn, tmp_path, capsys, monkeypatch):
 def test_ab_refuses_bench_into(tmp_path):
     with pytest.raises(SystemExit):
         ab_bench.main(["--variant", "a=", "--out", str(tmp_path), "--", "--into", "x"])
+
+
+def test_kernel_dir_of_gives_a_variant_its_build(tmp_path, monkeypatch):
+    """``--kernel-dir-of lab=DIR``: lab's bench processes get ``--kernel-dir DIR`` after bench's
+    own arguments (argparse keeps the last), the other variant keeps bench's; a name that is
+    no variant, or one given twice, is refused before anything runs."""
+    commands = []
+
+    def fake_run(cmd, env):
+        commands.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1)  # stops the A/B after the first process
+
+    monkeypatch.setattr(ab_bench.subprocess, "run", fake_run)
+    common = ["--variant", "main=", "--variant", "lab=", "--out", str(tmp_path), "--rounds", "1"]
+    bench = ["--", "--kernel-dir", "build", "--modes", "bwd"]
+    for bad in (["--kernel-dir-of", "other=/x"], ["--kernel-dir-of", "lab=/x", "--kernel-dir-of", "lab=/y"],
+                ["--kernel-dir-of", "lab="]):
+        with pytest.raises(SystemExit):
+            ab_bench.main(common + bad + bench)
+    assert commands == []
+    assert ab_bench.main(common[:2] + common[4:] + ["--kernel-dir-of", "main=/lab"] + bench) == 1
+    assert commands[-1][-4:] == ["--modes", "bwd", "--kernel-dir", "/lab"]
+    assert ab_bench.main(common + ["--kernel-dir-of", "lab=/lab"] + bench) == 1
+    assert commands[-1][-2:] == ["--modes", "bwd"]  # main, run first, keeps bench's build

@@ -142,3 +142,50 @@ def test_setup_takes_flashinfer_in_two_calls(tmp_path):
     assert lines[-1] == f"flashinfer PYTHONPATH={site} PATH={site}/bin"
     setup()  # a third call on the same machine does not install again
     assert sum(line.startswith("install") for line in calls.read_text().splitlines()) == 1
+
+
+# Stands in for python3 in the lab phase: the build records what the overlaid source held and
+# writes a variant holding it, printing the variant's path last.
+FAKE_LAB_PYTHON = """#!/usr/bin/env bash
+if [[ $1 == -m && $2 == flash_attn_hub && $3 == build ]]; then
+  mkdir -p build/variant && cat csrc/kernel.h >build/variant/built-from
+  [[ -f csrc/added.h ]] && echo added >>build/variant/built-from
+  echo "$PWD/build/variant"
+fi
+"""
+
+
+def test_lab_phase_builds_the_overlay_and_puts_the_tree_back(tmp_path):
+    """The lab build sees .lab/'s files laid over the tree (a changed one and an added one);
+    afterwards its variant is in LAB_DIR, build/ holds the main build again (its cache untouched)
+    and the tree is as it was, the added file gone."""
+    repo, bin_dir, lab = tmp_path / "repo", tmp_path / "bin", tmp_path / "lab"
+    (repo / "tools").mkdir(parents=True)
+    shutil.copy(REPO_ROOT / "tools" / "gpu_run.sh", repo / "tools" / "gpu_run.sh")
+    (repo / "csrc").mkdir()
+    (repo / "csrc" / "kernel.h").write_text("main\n")
+    (repo / "build" / "variant").mkdir(parents=True)
+    (repo / "build" / "variant" / "built-from").write_text("main\n")
+    (repo / "build" / ".cache").mkdir()
+    (repo / "build" / ".cache" / "object").write_text("cached")
+    (repo / ".lab" / "csrc").mkdir(parents=True)
+    (repo / ".lab" / "csrc" / "kernel.h").write_text("lab\n")
+    (repo / ".lab" / "csrc" / "added.h").write_text("")
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_LAB_PYTHON)
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+           "LAB_DIR": str(lab)}
+    done = subprocess.run(["bash", str(repo / "tools" / "gpu_run.sh"), "lab"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (lab / "variant" / "built-from").read_text() == "lab\nadded\n"
+    assert (repo / "build" / "variant" / "built-from").read_text() == "main\n"
+    assert (repo / "build" / ".cache" / "object").read_text() == "cached"
+    assert (repo / "csrc" / "kernel.h").read_text() == "main\n"
+    assert not (repo / "csrc" / "added.h").exists()
+    shutil.rmtree(repo / ".lab")  # without an overlay the phase fails and changes nothing
+    done = subprocess.run(["bash", str(repo / "tools" / "gpu_run.sh"), "lab"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "needs a carried .lab/" in done.stdout
+    assert (repo / "build" / "variant" / "built-from").read_text() == "main\n"

@@ -1,6 +1,6 @@
-"""An A/B of run-time variants inside one build: `python -m flash_attn_hub bench` once per variant
-and round, each in its own process with the variant's environment, variants alternating, then
-one table of TFLOP/s per workload and variant.
+"""An A/B of run-time variants inside one build, or of builds: `python -m flash_attn_hub bench`
+once per variant and round, each in its own process with the variant's environment (and build,
+with --kernel-dir-of), variants alternating, then one table of TFLOP/s per workload and variant.
 
 A kernel change is judged by timing both sides on one machine in one call (docs/performance.md,
 How numbers are taken: separate machines differ by ~2.5%, a cell moves by up to ~5% between
@@ -11,6 +11,14 @@ bench process carries a peer (cuDNN, say) as the anchor that shows drift between
     python3 -m tools.ab_bench --variant old=FAH_SWITCH=0 --variant new= --rounds 2 \\
         --out ab -- --kernel-dir build --grid main --modes fwd --head-dims 256 \\
         --providers ours-cuda,sdpa-cudnn
+
+A change that a switch cannot reach without changing the code around it (a kernel's registers,
+its template parameters) is compared as two builds: ``--kernel-dir-of NAME=DIR`` gives variant
+NAME its own ``--kernel-dir`` (after bench's own arguments, so it wins). A switch compiled into
+a kernel changes what it is meant to compare: both paths share one register allocation.
+
+    python3 -m tools.ab_bench --variant main= --variant lab= --kernel-dir-of lab=/tmp/lab \\
+        --out ab -- --kernel-dir build --grid main --modes bwd --providers ours-cuda,sdpa-cudnn
 
 Each process writes its page into ``--out``/``<round>-<variant>/``; the summary (printed, and
 ``--out``/summary.csv) has one row per (workload, mode, provider) and one column per variant:
@@ -46,10 +54,21 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return name, env
 
 
-def run_variant(bench_args: list[str], env: dict[str, str], into: Path) -> int:
-    """One bench process with ``env`` added to this process's environment."""
+def parse_kernel_dir(text: str) -> tuple[str, str]:
+    """``name=DIR`` as ``(name, DIR)``."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--kernel-dir-of {text!r}: expected NAME=DIR")
+    return name, path
+
+
+def run_variant(bench_args: list[str], env: dict[str, str], into: Path,
+                kernel_dir: str | None = None) -> int:
+    """One bench process with ``env`` added to this process's environment (and ``kernel_dir``
+    as its build)."""
+    own = ["--kernel-dir", kernel_dir] if kernel_dir else []
     cmd = [sys.executable, "-m", "flash_attn_hub", "bench", "--into", str(into), "--no-progress",
-           *bench_args]
+           *bench_args, *own]
     return subprocess.run(cmd, env={**os.environ, **env}).returncode
 
 
@@ -99,20 +118,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", type=parse_variant, action="append", required=True,
                         help="NAME=[VAR=VALUE,...]; the first is the baseline")
+    parser.add_argument("--kernel-dir-of", type=parse_kernel_dir, action="append", default=[],
+                        metavar="NAME=DIR", help="variant NAME's build (bench's --kernel-dir)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(own)
     names = [name for name, _ in args.variant]
     if len(set(names)) != len(names):
         parser.error(f"--variant: names must differ, got {names}")
+    kernel_dirs = dict(args.kernel_dir_of)
+    unknown = sorted(set(kernel_dirs) - set(names))
+    if unknown or len(kernel_dirs) != len(args.kernel_dir_of):
+        parser.error(f"--kernel-dir-of: one per variant, for variants {names}; got "
+                     f"{[n for n, _ in args.kernel_dir_of]}")
     if any("--into" == a or a.startswith("--into=") for a in bench_args):
         parser.error("give --out, not bench's --into: each variant and round gets its own page")
     pages: dict[str, list[Path]] = {name: [] for name in names}
     for rnd in range(1, args.rounds + 1):
         for name, env in args.variant:
             into = args.out / f"{rnd}-{name}"
-            status = run_variant(bench_args, env, into)
-            print(f"[ab] round {rnd} {name} {env or '(unchanged)'}: exit {status}", flush=True)
+            status = run_variant(bench_args, env, into, kernel_dirs.get(name))
+            build = f" {kernel_dirs[name]}" if name in kernel_dirs else ""
+            print(f"[ab] round {rnd} {name} {env or '(unchanged)'}{build}: exit {status}", flush=True)
             if status != 0:
                 return status
             pages[name].append(into)

@@ -3,7 +3,7 @@
 # peers, publish it to an embedded Hub and load it back, and train. Phases run in the order
 # given (default: setup build test bench hub):
 #
-#   bash tools/gpu_run.sh [setup] [build] [test] [sanitize] [bench] [ab] [host] [hub] [train]
+#   bash tools/gpu_run.sh [setup] [build] [lab] [test] [sanitize] [bench] [ab] [host] [hub] [train]
 #
 # setup     installs the wheels carried in .whl/ (what the GPU image lacks: kernels,
 #           huggingface_hub, nvidia-cutlass, ...) into /tmp/site, and FlashAttention-4 and
@@ -13,6 +13,12 @@
 # build     the CUDA variant into build/ (python -m flash_attn_hub build --backend cuda), then
 #           checked; the later phases load it from there. A carried .cuda-objects.tgz (the
 #           $OUT/cuda-objects.tgz of an earlier call) spares recompiling unchanged sources.
+# lab       a second build, for an A/B of two builds (tools.ab_bench --kernel-dir-of
+#           NAME=$LAB_DIR, default /tmp/lab): this tree with the files carried under .lab/
+#           (ignored, never committed; the same relative paths, e.g. .lab/csrc/hopper/softmax.h)
+#           laid over it. Built in place after build, so the object cache's keys (absolute
+#           include paths) match and only what .lab/ changes compiles; its variant then moves
+#           to $LAB_DIR and the tree and build/ are put back as they were.
 # test      the GPU tests (pytest -m gpu) against that build; TEST_ARGS narrows them
 #           (e.g. "tests/test_cuda_bwd.py -k gqa").
 # sanitize  compute-sanitizer's memcheck, racecheck and synccheck on the tests marked sanitize.
@@ -120,6 +126,26 @@ for phase in "${phases[@]}"; do
       [[ -d $cache/obj ]] && tar czf "$OUT/cuda-objects.tgz" -C "$cache" obj
       variant=$(tail -n 1 "$OUT/build.log")  # build prints the variant path last
       [[ -n $variant ]] && run_phase check python3 -m flash_attn_hub check "$variant"
+      ;;
+    lab)
+      lab=${LAB_DIR:-/tmp/lab} keep=/tmp/lab-keep
+      if [[ ! -d .lab ]] || ! compgen -G "build/*/" >/dev/null; then
+        log "phase lab FAILED: it needs a carried .lab/ and the build phase's build/"; status=1; continue
+      fi
+      rm -rf "$lab" "$keep" && mkdir -p "$lab" "$keep/tree" "$keep/build"
+      mapfile -t files < <(cd .lab && find . -type f -printf '%P\n')
+      for f in "${files[@]}"; do  # the originals (a file .lab/ adds has none: it is removed after)
+        [[ -f $f ]] && mkdir -p "$keep/tree/$(dirname "$f")" && cp -p "$f" "$keep/tree/$f"
+      done
+      mv build/* "$keep/build/"
+      cp -r .lab/. .
+      run_phase lab-build python3 -m flash_attn_hub build --backend cuda
+      compgen -G "build/*" >/dev/null && mv build/* "$lab/"
+      mv "$keep/build/"* build/
+      for f in "${files[@]}"; do
+        if [[ -f $keep/tree/$f ]]; then cp -p "$keep/tree/$f" "$f"; else rm -f "$f"; fi
+      done
+      log "lab build in $lab: $(ls "$lab")"
       ;;
     test)
       # Triton compiles on the CPU, so the tests run in TEST_WORKERS processes sharing the GPU.
