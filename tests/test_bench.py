@@ -1,6 +1,6 @@
 """The benchmark: FLOP counting, grids, ratios, record schema, the commit field, the timer,
-the results page (written, read back, added to), the Markdown tables, and the tiny CPU path
-end to end."""
+the results page (written, read back, added to), the Markdown tables, the softcap plumbing
+(every provider caps or skips), and the tiny CPU path end to end."""
 
 from __future__ import annotations
 
@@ -127,6 +127,20 @@ def test_kvcache_grid_holds_the_decode_cells():
     assert attention_flops(full[0]) == 4 * 32 * 128 * 4096  # one query row sees every key
     assert cpu_stand_ins(["main", "kvcache-quick", "window"]) == ["cpu", "cpu-kvcache"]
     assert cpu_stand_ins(["kvcache"]) == ["cpu-kvcache"] and cpu_stand_ins(["cpu"]) == ["cpu"]
+
+
+@pytest.mark.kernels_ci
+def test_softcap_inputs_spread_q_to_the_cap():
+    """q is drawn with standard deviation ``softcap`` (k and v as without the cap), so the scores
+    reach the cap; a workload without a cap keeps its standard-normal q."""
+    w = Workload("t", 2, 64, 64, 4, 2, 32, True)
+    plain = make_inputs(w, device="cpu", dtype=torch.float32, seed=3)
+    capped = make_inputs(dataclasses.replace(w, softcap=50.0), device="cpu", dtype=torch.float32, seed=3)
+    assert torch.equal(capped.q, plain.q * 50.0) and torch.equal(capped.k, plain.k) and torch.equal(capped.v, plain.v)
+    assert 0.9 < float(plain.q.std()) < 1.1
+    varlen = make_inputs(Workload("t", 2, 40, 40, 4, 2, 32, True, seqlens=(40, 24), softcap=30.0), device="cpu",
+                         dtype=torch.float32, seed=0)
+    assert 27 < float(varlen.q.std()) < 33 and float(varlen.k.std()) < 1.1
 
 
 @pytest.mark.kernels_ci
@@ -291,6 +305,73 @@ def test_fa4_is_called_with_its_own_conventions(monkeypatch):
     assert kw["cu_seqlens_q"].tolist() == [0, 3, 8]
     monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # not installed
     assert "flash-attn-4" in FlashAttention4().unavailable()
+
+
+@pytest.mark.kernels_ci
+def test_providers_pass_softcap_or_skip_with_a_reason(monkeypatch):
+    """Ours and flash-attn 2 / 3 (batched, varlen, kv-cache) and FA4 get ``softcap`` when the
+    workload caps, and no such argument otherwise (flash-attn 2 before 2.6 has none); SDPA
+    skips every softcap cell and FlashInfer a softcap decode step, each with the reason."""
+    calls = []
+    module = types.SimpleNamespace(
+        flash_attn_func=lambda q, k, v, **kw: calls.append(kw) or q,
+        flash_attn_varlen_func=lambda q, k, v, cu_q, cu_k, max_q, max_k, **kw: calls.append(kw) or q,
+        flash_attn_with_kvcache=lambda q, k, v, **kw: calls.append(kw) or q)
+    batched = Workload("t", 1, 4, 4, 2, 2, 8, True, softcap=50.0)
+    varlen = Workload("t", 2, 5, 5, 2, 1, 8, True, seqlens=(3, 5), softcap=50.0)
+    decode = Workload("t", 2, 1, 40, 4, 2, 8, True, modes=("fwd",), kv_cache=True, softcap=50.0)
+    package = FlashAttnPackage("flash-attn2", "flash_attn")
+    package.module = module
+    for provider in (Ours(module, "triton"), package):
+        for w in (batched, varlen, decode):
+            x = make_inputs(w, device="cpu", dtype=torch.float32, seed=0)
+            assert provider.prepare(w, x).fwd() is x.q
+            assert calls[-1]["softcap"] == 50.0 and calls[-1]["causal"] is True, (provider.name, w)
+        x = make_inputs(dataclasses.replace(batched, softcap=0.0), device="cpu", dtype=torch.float32, seed=0)
+        provider.prepare(dataclasses.replace(batched, softcap=0.0), x).fwd()
+        assert "softcap" not in calls[-1]
+
+    fa4_calls = []
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", types.SimpleNamespace(
+        flash_attn_func=lambda q, k, v, **kw: fa4_calls.append(kw) or (q, None),
+        flash_attn_varlen_func=lambda q, k, v, **kw: fa4_calls.append(kw) or (q, None)))
+    fa4 = FlashAttention4()
+    assert fa4.unavailable() is None and fa4.unsupported(batched) is None
+    for w in (batched, varlen):
+        fa4.prepare(w, make_inputs(w, device="cpu", dtype=torch.float32, seed=0)).fwd()
+        assert fa4_calls[-1]["softcap"] == 50.0
+    assert fa4_calls[0] == {"causal": True, "window_size": (None, 0), "softcap": 50.0}
+
+    for kind in Sdpa.KINDS:
+        for w in (batched, varlen, decode, dataclasses.replace(batched, window_left=2)):
+            assert Sdpa(kind).unsupported(w) == "SDPA has no logit soft-capping"
+    assert Sdpa("math").unsupported(dataclasses.replace(batched, softcap=0.0)) is None
+    assert "logits_soft_cap" in FlashInfer().unsupported(decode)
+    assert FlashInfer().unsupported(dataclasses.replace(decode, softcap=0.0)) is None
+    assert Flex().unsupported(batched) is None
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("w", [Workload("t", 2, 32, 48, 4, 2, 16, True, softcap=5.0),
+                               Workload("t", 3, 40, 40, 4, 2, 16, True, window_left=7, softcap=5.0,
+                                        seqlens=(9, 40, 21))], ids=["batched", "varlen-window"])
+def test_flex_caps_the_scaled_score_as_flash_attn_does(w):
+    """FlexAttention's score_mod receives ``scale * q.k`` and masks after it: capping that score
+    is flash-attn's softcap exactly (eager FlexAttention on CPU, forward only, float64)."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+    flex = Flex()
+    flex._compiled = flex_attention  # eager: the same semantics without a compile
+    x = make_inputs(w, device="cpu", dtype=torch.float64, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not compiled
+        got = flex.prepare(w, x).fwd()
+    varlen = dict(cu_seqlens_q=x.cu_seqlens, cu_seqlens_k=x.cu_seqlens) if w.varlen else {}
+    want, _ = attention_reference(x.q, x.k, x.v, causal=True, window_size=w.window_size, softcap=5.0, **varlen)
+    torch.testing.assert_close(got, want)
+    uncapped, _ = attention_reference(x.q, x.k, x.v, causal=True, window_size=w.window_size, **varlen)
+    assert (uncapped - want).abs().max() > 0.1
 
 
 @pytest.mark.kernels_ci

@@ -56,6 +56,12 @@ METHOD = """\
   causal document mask over the packed batch.
 - **Window**: SDPA flash/cuDNN take no mask; `sdpa-efficient-densemask` uses a dense boolean
   mask; `flex` uses a sliding-window block mask.
+- **Softcap** (Gemma 2's logit soft-capping, `cap50` in the mask column): each scaled score `s`
+  becomes `softcap * tanh(s / softcap)` before the mask. Ours, FlashAttention-4 and flash-attn
+  2 / 3 take `softcap`; `flex` caps in a `score_mod`; SDPA has no soft-capping (skipped). The
+  FLOPs are those of the same cell without the cap (a tanh is no matmul). q is drawn with
+  standard deviation `softcap`, so scores reach the cap and verification refuses a provider
+  that drops it.
 - **Decode** (`Sq = 1`): memory-bound, so GB/s (q, k, v read, out written) is listed too.
 - **KV cache** (`flash_attn_with_kvcache` decode steps: `Sq` new queries over a cache of `Sk`
   keys per sequence, nothing appended; paged caches hand out their blocks in a random order):
@@ -88,6 +94,8 @@ def _mask(r: dict) -> str:
     mask = "causal" if r["causal"] else "full"
     if r["window_left"] >= 0:
         mask += f" w{r['window_left']}"
+    if r.get("softcap"):  # absent from pages measured before softcap was a column
+        mask += f" cap{r['softcap']:g}"
     if r["varlen"]:
         mask += f" varlen {r.get('mix') or ''} x{r['num_seqs']}".replace("  ", " ")
     return mask

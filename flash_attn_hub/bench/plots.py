@@ -1,7 +1,7 @@
 """PNG plots of a run: one figure per (grid, head dim), a row of panels per head shape (and
-sequence shape: Sq != Sk, a packed mix), a panel per (mask, mode), TFLOP/s against the key
-sequence length with a line per provider (bars where a row has one length only, e.g. a packed
-batch). GPU and versions are in every title. KV-cache steps are tables only (``markdown.py``):
+sequence shape: Sq != Sk, a packed mix), a panel per (mask and softcap, mode), TFLOP/s against
+the key sequence length with a line per provider (bars where a row has one length only, e.g. a
+packed batch). GPU and versions are in every title. KV-cache steps are tables only (``markdown.py``):
 their measure is bandwidth per cache layout and batch, not TFLOP/s against a length."""
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ def _shape(r: dict) -> str:
     return "" if r["seqlen_q"] == r["seqlen_k"] else f"Sq={r['seqlen_q']}"
 
 
-def _mask(r: dict) -> tuple[bool, int]:
-    return r["causal"], r["window_left"]
+def _mask(r: dict) -> tuple[bool, int, float]:
+    return r["causal"], r["window_left"], r.get("softcap") or 0.0  # no softcap column on older pages
 
 
-def _mask_title(mask: tuple[bool, int]) -> str:
-    causal, left = mask
-    return ("causal" if causal else "non-causal") + (f", window {left}" if left >= 0 else "")
+def _mask_title(mask: tuple[bool, int, float]) -> str:
+    causal, left, softcap = mask
+    return (("causal" if causal else "non-causal") + (f", window {left}" if left >= 0 else "")
+            + (f", softcap {softcap:g}" if softcap else ""))
 
 
 def plot(out_dir: Path, records: list[dict], env: dict) -> list[Path]:

@@ -16,6 +16,11 @@ attention over the contiguous cache read in place (``enable_gqa``, causal lower-
 several new tokens). SDPA has no paged cache. FlashInfer (``flashinfer``) runs kv-cache steps
 only, through its paged decode wrapper (:class:`FlashInfer`). The other peers are not wired to a
 kv-cache call here: they skip those cells.
+
+Logit soft-capping (``Workload.softcap``, Gemma 2's): ours, flash-attn 2 / FlashAttention-3 and
+FlashAttention-4 take it as ``softcap``, FlexAttention as a ``score_mod`` on the scaled scores
+(:func:`softcap_score_mod`); SDPA has none and FlashInfer is not wired to it here: they skip
+those cells with the reason.
 """
 
 from __future__ import annotations
@@ -47,12 +52,16 @@ CPU_DEFAULT = ("ours-cpu", "sdpa-math")
 KNOWN = GPU_DEFAULT + ("ours-auto", "ours-cpu", "sdpa-efficient", "sdpa-math")
 
 
-def flash_attn_forward(module, q, k, v, *, causal: bool, window_size=(-1, -1), cu_seqlens=None,
-                       max_seqlen: int | None = None) -> torch.Tensor:
+def flash_attn_forward(module, q, k, v, *, causal: bool, window_size=(-1, -1), softcap: float = 0.0,
+                       cu_seqlens=None, max_seqlen: int | None = None) -> torch.Tensor:
     """One call of a flash-attn 2 style API (ours, flash-attn 2, FlashAttention-3 share it):
     batched ``(B, S, H, D)``, or packed ``(T, H, D)`` with ``cu_seqlens`` (the same for q and
-    k) and ``max_seqlen``. Returns the output (these APIs may return a tuple starting with it)."""
+    k) and ``max_seqlen``. Returns the output (these APIs may return a tuple starting with it).
+    ``softcap`` is passed only when on: flash-attn 2 releases before 2.6 have no such argument,
+    and they still run every other grid."""
     kwargs = dict(causal=causal, window_size=window_size)
+    if softcap > 0:
+        kwargs["softcap"] = softcap
     if cu_seqlens is not None:
         result = module.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
     else:
@@ -61,11 +70,14 @@ def flash_attn_forward(module, q, k, v, *, causal: bool, window_size=(-1, -1), c
 
 
 def kvcache_forward(module, q, k_cache, v_cache, *, cache_seqlens, block_table=None, causal: bool,
-                    window_size=(-1, -1)) -> torch.Tensor:
+                    window_size=(-1, -1), softcap: float = 0.0) -> torch.Tensor:
     """One decode step through a flash-attn 2 style ``flash_attn_with_kvcache`` (ours): the
-    caches already hold ``cache_seqlens`` keys, none is appended."""
+    caches already hold ``cache_seqlens`` keys, none is appended. ``softcap`` only when on,
+    as in :func:`flash_attn_forward`."""
+    extra = {"softcap": softcap} if softcap > 0 else {}
     result = module.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
-                                            block_table=block_table, causal=causal, window_size=window_size)
+                                            block_table=block_table, causal=causal, window_size=window_size,
+                                            **extra)
     return result[0] if isinstance(result, (tuple, list)) else result
 
 
@@ -143,17 +155,18 @@ def environ(**values: str):
 
 class FlashApi(Provider):
     """A package with flash-attn 2's API (ours, flash-attn 2, FlashAttention-3): native GQA,
-    bottom-right causal, windows and varlen, called through :func:`flash_attn_forward`; a
-    kv-cache step (ours) through :func:`kvcache_forward`."""
+    bottom-right causal, windows, softcap and varlen, called through :func:`flash_attn_forward`;
+    a kv-cache step (ours) through :func:`kvcache_forward`."""
     module = None
 
     def prepare(self, w, x):
         if w.kv_cache:
             call = functools.partial(kvcache_forward, self.module, x.q, x.k, x.v, cache_seqlens=x.cache_seqlens,
-                                     block_table=x.block_table, causal=w.causal, window_size=w.window_size)
+                                     block_table=x.block_table, causal=w.causal, window_size=w.window_size,
+                                     softcap=w.softcap)
             return Prepared([x.q, x.k, x.v], call)
         call = functools.partial(flash_attn_forward, self.module, x.q, x.k, x.v,
-                                 causal=w.causal, window_size=w.window_size)
+                                 causal=w.causal, window_size=w.window_size, softcap=w.softcap)
         if w.varlen:
             call = functools.partial(call, cu_seqlens=x.cu_seqlens, max_seqlen=max(w.seqlens))
         return Prepared([x.q, x.k, x.v], call)
@@ -244,6 +257,8 @@ class Sdpa(Provider):
         return self.name
 
     def unsupported(self, w):
+        if w.softcap > 0:
+            return "SDPA has no logit soft-capping"
         if w.kv_cache and w.page_size:
             return "SDPA has no paged cache (it reads the contiguous cache in place)"
         if w.windowed and self.kind in ("flash", "cudnn"):
@@ -290,9 +305,20 @@ def _configure_compile():
         dynamo.fail_on_recompile_limit_hit = True
 
 
+@functools.cache  # one function per value: a new closure per input set could recompile the graph
+def softcap_score_mod(softcap: float):
+    """FlexAttention's ``score_mod`` for flash-attn's ``softcap``: FlexAttention hands it the
+    score already multiplied by the softmax scale (and masks after it), so capping that score
+    is flash-attn's ``softcap * tanh(scale * q.k / softcap)``, with no scale after it."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+    return score_mod
+
+
 class Flex(Provider):
     """FlexAttention, ``torch.compile``'d (static shapes: one graph per shape and mask);
-    masks as block masks, GQA through ``enable_gqa``, packed documents as a document mask."""
+    masks as block masks, GQA through ``enable_gqa``, packed documents as a document mask,
+    softcap as a ``score_mod`` (:func:`softcap_score_mod`)."""
     name = "flex"
 
     def __init__(self):
@@ -347,16 +373,18 @@ class Flex(Provider):
         if self._mask_for is None or self._mask_for[0] != w:
             self._mask_for = (w, self._block_mask(w, x))
         block_mask = self._mask_for[1]
+        score_mod = softcap_score_mod(w.softcap) if w.softcap > 0 else None
         q, k, v = x.q, x.k, x.v
 
         if w.varlen:
             def fwd():
                 out = flex(q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2),
-                           v.unsqueeze(0).transpose(1, 2), block_mask=block_mask, enable_gqa=w.gqa)
+                           v.unsqueeze(0).transpose(1, 2), score_mod=score_mod, block_mask=block_mask,
+                           enable_gqa=w.gqa)
                 return out.transpose(1, 2)[0]
         else:
             def fwd():
-                out = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                out = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod,
                            block_mask=block_mask, enable_gqa=w.gqa)
                 return out.transpose(1, 2)
         return Prepared([q, k, v], fwd)
@@ -404,10 +432,13 @@ class FlashAttnPackage(FlashApi):
 class FlashAttention4(Provider):
     """FlashAttention-4 (pip ``flash-attn-4``, CuTe DSL, imported as ``flash_attn.cute``), when
     installed: ``(B, S, H, D)`` like ours, native GQA, bottom-right causal, windows (unbounded
-    sides as None) and varlen; its backward is autograd through its function. It compiles each
-    configuration on its first call, which verification makes before anything is timed (and
-    the runner calls every closure once more before timing). What it cannot run fails that
-    first call, and the cell is skipped with FA4's own message."""
+    sides as None), ``softcap`` (passed only when on: other cells' calls are as without it) and
+    varlen; its backward is autograd through its function. It compiles each configuration on
+    its first call, which verification makes before anything is timed (and the runner calls
+    every closure once more before timing). What it cannot run fails that first call, and the
+    cell is skipped with FA4's own message; a backward that drops the cap (some releases pass
+    no softcap to their backward kernel, and their varlen backward asserts it is 0) fails
+    verification, and only the backward modes are skipped."""
     name = "fa4"
 
     def __init__(self):
@@ -423,6 +454,8 @@ class FlashAttention4(Provider):
     def prepare(self, w, x):
         left, right = (None if side < 0 else side for side in w.window_size)
         kwargs = dict(causal=w.causal, window_size=(left, right))
+        if w.softcap > 0:
+            kwargs["softcap"] = w.softcap
         q, k, v = x.q, x.k, x.v
         if w.varlen:
             longest = max(w.seqlens)
@@ -504,6 +537,8 @@ class FlashInfer(Provider):
     def unsupported(self, w):
         if not w.kv_cache:
             return "FlashInfer is wired for kv-cache decode steps only here"
+        if w.softcap > 0:
+            return "FlashInfer's logits_soft_cap is not wired here"
         if w.seqlen_q > 1 and not w.causal:  # one query sees every key: causal or not is the same
             return "FlashInfer's multi-token decode (q_len_per_req) is causal only"
         return None

@@ -25,8 +25,8 @@ PLOTS = "plots"
 SKIPPED = "skipped"  # the reason column of a skipped cell's row
 _INT = ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv", "head_dim", "window_left", "window_right",
         "num_seqs", "total_tokens_q", "peak_mem_bytes", "page_size")
-_FLOAT = ("flops", "ms_p20", "ms_p50", "ms_p80", "tflops", "ratio_to_best_peer", "gbps", "copy_gbps", "pct_copy",
-          "host_us", "verify_err_out", "verify_err_grad")
+_FLOAT = ("softcap", "flops", "ms_p20", "ms_p50", "ms_p80", "tflops", "ratio_to_best_peer", "gbps", "copy_gbps",
+          "pct_copy", "host_us", "verify_err_out", "verify_err_grad")
 _BOOL = ("causal", "varlen", "kv_cache")
 
 

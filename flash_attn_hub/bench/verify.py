@@ -12,6 +12,10 @@ A kv-cache step is checked against ``kvcache_reference`` on the same kind of sli
 sequence's query rows and heads, its kv heads of the cache (for a paged cache every block,
 so the oracle follows that sequence's block-table row itself).
 
+The oracle sees the workload's mask and softcap (capped before the mask, as flash-attn
+does). On a softcap workload q is spread to the cap (the [Note] Softcap inputs of
+``workloads.make_inputs``), so a provider that drops the cap fails here.
+
 The tolerance is the project's rule (STYLE.md): a provider's relative error against the
 float64 oracle may be at most twice PyTorch's own error in the same low precision.
 """
@@ -95,7 +99,7 @@ def expected(w: Workload, x: Inputs, *, with_grads: bool) -> Expected:
         leaves = [t.detach().to(dtype).unsqueeze(0).requires_grad_(with_grads) for t in (qs, ks, vs)]
         with torch.enable_grad():
             out, _ = ref.attention_reference(*leaves, causal=w.causal, window_size=w.window_size,
-                                             dtype=dtype)
+                                             softcap=w.softcap, dtype=dtype)
             got = {"out": out[0].detach()}
             if with_grads:
                 grads = torch.autograd.grad(out, leaves, dout.unsqueeze(0).to(dtype))
@@ -118,7 +122,8 @@ def _kvcache_expected(w: Workload, x: Inputs) -> Expected:
         table = x.block_table[b:b + 1]
     results = {label: {"out": ref.kvcache_reference(q, k_cache, v_cache, cache_seqlens=x.cache_seqlens[b:b + 1],
                                                     block_table=table, causal=w.causal,
-                                                    window_size=w.window_size, dtype=dtype)["out"][0]}
+                                                    window_size=w.window_size, softcap=w.softcap,
+                                                    dtype=dtype)["out"][0]}
                for label, dtype in (("ref64", torch.float64), ("lowp", x.q.dtype))}
     return Expected(sl, None, results["ref64"], results["lowp"])
 

@@ -8,6 +8,8 @@ Glossary:
   D       head dimension
   window  (left, right) band around the bottom-right aligned diagonal, -1 = unbounded;
           causal forces right = 0
+  softcap logit soft-capping (Gemma 2): each scaled score s becomes softcap * tanh(s / softcap)
+          before the mask and the softmax; 0 = off
   mode    "fwd", "bwd" (backward only, forward graph built outside the timed region),
           "fwd_bwd" (both: a training step's attention)
   kv_cache  a decode step of ``flash_attn_with_kvcache``: Sq new queries (1, or a few for
@@ -19,7 +21,9 @@ FLOPs, the way FlashAttention's papers, Triton's tutorial and tritonbench count:
 ``4 * B * Hq * Sq * Sk * D``, halved for a causal square (Sq == Sk) score matrix; every other
 masked case (causal with Sq != Sk, sliding windows, packed documents) counts the visible
 (query, key) pairs exactly. Backward is 2.5x the forward, forward+backward 3.5x. GQA counts
-query heads. Every grid but decode and kvcache holds 16k tokens per batch (B = 16384 / S).
+query heads. Soft-capping adds a ``tanh`` per score and no matmul, so a softcap cell counts
+the FLOPs of the same cell without it: its TFLOP/s drop is what the cap costs. Every grid but
+decode and kvcache holds 16k tokens per batch (B = 16384 / S).
 A kv-cache decode step is memory-bound: what counts there is the K and V bytes it must read
 (:attr:`Workload.cache_elements`), per second.
 """
@@ -51,6 +55,7 @@ class Workload:
     causal: bool
     window_left: int = -1
     window_right: int = -1
+    softcap: float = 0.0  # > 0: scores capped as softcap * tanh(s / softcap) (flash-attn's softcap)
     seqlens: tuple[int, ...] | None = None  # varlen: document lengths (q and k alike)
     mix: str = ""  # varlen: the length distribution the documents were drawn from (LENGTH_MIXES)
     modes: tuple[str, ...] = MODES
@@ -111,6 +116,8 @@ class Workload:
         mask = "causal" if self.causal else "full"
         if self.windowed:
             mask += f"-w{self.window_left}.{self.window_size[1]}"
+        if self.softcap > 0:
+            mask += f"-cap{self.softcap:g}"
         return f"{self.grid}-d{self.head_dim}-{heads}-{shape}-{mask}"
 
     @property
@@ -119,7 +126,8 @@ class Workload:
         heads = f"Hq/Hkv={self.heads_q}/{self.heads_kv}"
         mix = f" {self.mix}" if self.varlen and self.mix else ""
         cache = f" {self.cache_layout} B={self.batch} Sq={self.seqlen_q}" if self.kv_cache else ""
-        return f"{self.grid}{mix} D={self.head_dim} {heads}{cache}"
+        cap = f" softcap={self.softcap:g}" if self.softcap > 0 else ""
+        return f"{self.grid}{mix} D={self.head_dim} {heads}{cache}{cap}"
 
 
 def visible_pairs(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int) -> int:
@@ -336,15 +344,24 @@ class Inputs:
 
 
 def make_inputs(w: Workload, *, device, dtype, seed: int) -> Inputs:
-    """Fresh standard-normal q, k, v (never zeros) from a generator seeded with ``seed``; a
-    paged cache's blocks are handed out in a random order."""
-    gen = torch.Generator(device=device).manual_seed(seed)
+    """Fresh standard-normal q, k, v (never zeros) from a generator seeded with ``seed``, q
+    spread to the cap on a softcap workload (below); a paged cache's blocks are handed out in
+    a random order.
 
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    [Note] Softcap inputs. Standard-normal q and k give scaled scores of about unit size, where
+    ``50 * tanh(s / 50)`` moves them by a fraction of a percent: a provider that ignored the cap
+    would pass verification. So on a softcap workload q has standard deviation ``softcap``, the
+    scores spread over +-softcap where tanh bends, and an output without the cap is off by 8x
+    (S=128) to 100x (S=8k) torch's own bf16 error, against a tolerance of 2x. The kernels
+    compute the same tanh and exp whatever the values."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q_std = w.softcap if w.softcap > 0 else 1.0
+
+    def randn(*shape, std=1.0):
+        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
 
     if w.kv_cache:
-        q = randn(w.batch, w.seqlen_q, w.heads_q, w.head_dim)
+        q = randn(w.batch, w.seqlen_q, w.heads_q, w.head_dim, std=q_std)
         seqlens = torch.full((w.batch,), w.seqlen_k, dtype=torch.int32, device=device)
         if not w.page_size:
             shape = (w.batch, w.seqlen_k, w.heads_kv, w.head_dim)
@@ -357,8 +374,8 @@ def make_inputs(w: Workload, *, device, dtype, seed: int) -> Inputs:
     if w.varlen:
         total = w.total_tokens_q
         cu = torch.tensor([0, *np.cumsum(w.seqlens).tolist()], dtype=torch.int32, device=device)
-        return Inputs(randn(total, w.heads_q, w.head_dim), randn(total, w.heads_kv, w.head_dim),
+        return Inputs(randn(total, w.heads_q, w.head_dim, std=q_std), randn(total, w.heads_kv, w.head_dim),
                       randn(total, w.heads_kv, w.head_dim), cu)
-    return Inputs(randn(w.batch, w.seqlen_q, w.heads_q, w.head_dim),
+    return Inputs(randn(w.batch, w.seqlen_q, w.heads_q, w.head_dim, std=q_std),
                   randn(w.batch, w.seqlen_k, w.heads_kv, w.head_dim),
                   randn(w.batch, w.seqlen_k, w.heads_kv, w.head_dim))
