@@ -1,6 +1,7 @@
 """The benchmark: FLOP counting, grids, ratios, record schema, the commit field, the timer,
 the results page (written, read back, added to), the Markdown tables, the softcap plumbing
-(every provider caps or skips), and the tiny CPU path end to end."""
+(every provider caps or skips, verification refuses a dropped cap), and the tiny CPU path
+end to end."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from flash_attn_hub.bench import env as bench_env
 from flash_attn_hub.bench import report, runner, timing
+from flash_attn_hub.bench import verify as bench_verify
 from flash_attn_hub.bench.providers import (KV_CHECK_VALUES_ENV, FlashAttention4, FlashAttnPackage, FlashInfer,
                                             Flex, Ours, Prepared, Sdpa, make_providers, paged_kv_indices,
                                             sdpa_forward)
@@ -81,7 +83,7 @@ def test_main_grid_is_the_release_grid():
 
 @pytest.mark.kernels_ci
 def test_grids_cover_the_issue_workloads():
-    assert grid_names("all") == list(ALL_GRIDS) == ["main", "varlen", "decode", "window", "kvcache"]
+    assert grid_names("all") == list(ALL_GRIDS) == ["main", "varlen", "decode", "window", "softcap", "kvcache"]
     assert grid_names("varlen, decode,varlen") == ["varlen", "decode"]
     with pytest.raises(ValueError, match="'nope' is not one of"):
         grid_names("varlen,nope")
@@ -127,6 +129,32 @@ def test_kvcache_grid_holds_the_decode_cells():
     assert attention_flops(full[0]) == 4 * 32 * 128 * 4096  # one query row sees every key
     assert cpu_stand_ins(["main", "kvcache-quick", "window"]) == ["cpu", "cpu-kvcache"]
     assert cpu_stand_ins(["kvcache"]) == ["cpu-kvcache"] and cpu_stand_ins(["cpu"]) == ["cpu"]
+
+
+@pytest.mark.kernels_ci
+def test_softcap_grid_is_gemma2_attention():
+    """Gemma 2 9B (D=256, 16/8) and 27B (D=128, 32/16) heads, logits capped at 50, causal at 4k
+    and 8k, a 4k window at 8k, 16k tokens; the cap is in the name and family, not in the FLOPs,
+    and the names of cells without a cap are unchanged."""
+    grid = grid_workloads("softcap")
+    assert len(grid) == 6 and len({w.name for w in grid}) == 6
+    assert all(w.softcap == 50.0 and w.causal and w.batch * w.seqlen_q == 16384 and w.seqlen_q == w.seqlen_k
+               for w in grid)
+    assert {(w.head_dim, w.heads_q, w.heads_kv, w.seqlen_q, w.window_left) for w in grid} == {
+        (d, hq, hkv, s, left) for d, hq, hkv in ((256, 16, 8), (128, 32, 16))
+        for s, left in ((4096, -1), (8192, -1), (8192, 4095))}
+    assert [w.name for w in grid if w.head_dim == 256] == [
+        "softcap-d256-h16-8-b4-s4096-causal-cap50", "softcap-d256-h16-8-b2-s8192-causal-cap50",
+        "softcap-d256-h16-8-b2-s8192-causal-w4095.0-cap50"]
+    assert grid[0].family == "softcap D=256 Hq/Hkv=16/8 softcap=50"
+    for w in grid:  # a tanh per score is no matmul
+        assert attention_flops(w, "fwd_bwd") == attention_flops(dataclasses.replace(w, softcap=0.0), "fwd_bwd")
+    assert Workload("t", 2, 64, 64, 4, 2, 32, True, softcap=2.5).name == "t-d32-h4-2-b2-s64-causal-cap2.5"
+    assert not any("cap" in w.name or "softcap" in w.family for w in grid_workloads("all") if w.softcap == 0)
+    assert cpu_stand_ins(["softcap"]) == ["cpu-softcap"]
+    assert cpu_stand_ins(grid_names("all")) == ["cpu", "cpu-softcap", "cpu-kvcache"]
+    tiny = grid_workloads("cpu-softcap")
+    assert all(w.softcap == 50.0 for w in tiny) and any(w.varlen for w in tiny) and any(w.windowed for w in tiny)
 
 
 @pytest.mark.kernels_ci
@@ -619,6 +647,76 @@ def test_tiny_cpu_kvcache_suite_end_to_end(flash_attn, tmp_path):
     assert not list((tmp_path / "page").rglob("*.png"))
 
 
+class _Uncapped(Ours):
+    """Our CPU backend under another name (a peer), called without the workload's softcap."""
+
+    def __init__(self, module):
+        super().__init__(module, "cpu")
+        self.name = "uncapped"
+
+    def prepare(self, w, x):
+        return super().prepare(dataclasses.replace(w, softcap=0.0), x)
+
+
+@pytest.mark.parametrize("index", range(3), ids=["batched", "window", "varlen"])
+def test_verification_refuses_a_dropped_softcap(flash_attn, index):
+    """On each tiny softcap cell, ours matches the capped oracle (output and gradients) and the
+    same call without the cap is refused, output and gradients both: the q spread of
+    ``make_inputs`` puts the uncapped output well outside the tolerance."""
+    w = grid_workloads("cpu-softcap")[index]
+    x = make_inputs(w, device="cpu", dtype=torch.bfloat16, seed=0)
+    for t in (x.q, x.k, x.v):
+        t.requires_grad_()
+    exp = bench_verify.expected(w, x, with_grads=True)
+    ours, uncapped = Ours(flash_attn, "cpu"), _Uncapped(flash_attn)
+    with ours.context():
+        prepared = ours.prepare(w, x)
+        errors = bench_verify.verify("ours-cpu", prepared, exp, grads=False)
+        errors.update(bench_verify.verify("ours-cpu", prepared, exp, grads=True))
+        assert set(errors) == {"out", "dq", "dk", "dv"}
+        prepared = uncapped.prepare(w, x)
+        with pytest.raises(bench_verify.VerificationError, match="uncapped out: error .* exceeds"):
+            bench_verify.verify("uncapped", prepared, exp, grads=False)
+        with pytest.raises(bench_verify.VerificationError, match="uncapped d[qkv]: error .* exceeds"):
+            bench_verify.verify("uncapped", prepared, exp, grads=True)
+
+
+def test_tiny_cpu_softcap_suite_end_to_end(flash_attn, tmp_path):
+    """The softcap stand-in on CPU: ours measured with its cap, SDPA math skipped with its reason
+    (every label: plain, dense mask, padded), a provider that drops the cap refused; the page
+    shows the cap in the mask column and the CSV reads the softcap column back, also from a page
+    measured before that column existed."""
+    workloads = grid_workloads("cpu-softcap")
+    providers = make_providers(["ours-cpu", "sdpa-math"], flash_attn) + [_Uncapped(flash_attn)]
+    result = runner.run_suite(workloads, providers, ["fwd", "bwd"], device=torch.device("cpu"),
+                              timing=timing.Timing(warmup_ms=1, rep_ms=3), ours_module=flash_attn, progress=False)
+    records, skips = result.records, result.skips
+    assert sorted((r["provider"], r["workload"], r["mode"]) for r in records) == sorted(
+        ("ours-cpu", w.name, m) for w in workloads for m in ("fwd", "bwd"))
+    assert all(r["softcap"] == 50.0 and r["ratio_to_best_peer"] is None for r in records)
+    assert all(math.isfinite(r["verify_err_out"]) and math.isfinite(r["verify_err_grad"]) for r in records)
+    sdpa = [s for s in skips if s.provider.startswith("sdpa-math")]
+    assert {s.provider for s in sdpa} == {"sdpa-math", "sdpa-math-densemask", "sdpa-math-padded"}
+    assert all(s.reason == "SDPA has no logit soft-capping" and s.mode == "all" for s in sdpa)
+    assert {s.workload for s in skips if s.provider == "uncapped" and "exceeds" in s.reason} == {
+        w.name for w in workloads}
+    skip_rows = [{"provider": s.provider, "workload": s.workload, "mode": s.mode, "reason": s.reason} for s in skips]
+    page = tmp_path / "page"
+    text = report.write_page(page, records, skip_rows).read_text()
+    assert "## cpu-softcap" in text and "| causal cap50 |" in text and "| causal w95 cap50 |" in text
+    assert "| causal cap50 varlen docs x3 |" in text and "SDPA has no logit soft-capping" in text
+    assert "**Softcap**" in text
+    assert [p.name for p in (page / "plots").glob("*.png")] == ["cpu-softcap-d64.png"]
+    assert report.load(page) == (records, skip_rows)  # softcap read back as a float
+    old = [{k: v for k, v in r.items() if k != "softcap"} for r in report.load(page)[0]]
+    old = [dict(r, grid="cpu", workload=r["workload"].replace("-cap50", "")) for r in old]
+    report.write_page(page, *report.combine(old, [], records, []))  # an older page, appended to
+    loaded, _ = report.load(page)
+    assert {r["softcap"] for r in loaded} == {None, 50.0}
+    text = (page / "RESULTS.md").read_text()
+    assert "| causal |" in text and "| causal cap50 |" in text
+
+
 def _gqa_records(env, *, ours_mib, flash_mib, ours_tflops=300.0):
     """Records of one GQA workload as the runner makes them (bwd: ours and SDPA flash)."""
     w = Workload("gqa", 4, 4096, 4096, 32, 8, 128, True)
@@ -716,6 +814,23 @@ def test_cli_on_cpu(flash_attn, tmp_path, capsys, monkeypatch):
     assert "no results.csv" in capsys.readouterr().out
     assert main(["bench", "--kernel-dir", str(tmp_path / "no-build"), "--into", str(tmp_path / "x")]) == 2
     assert "could not load our kernel" in capsys.readouterr().out
+
+
+def test_cli_softcap_grid_on_cpu(flash_attn, tmp_path, capsys, monkeypatch):
+    """``--grid softcap`` runs its CPU stand-in: ours with its cap, SDPA skipped with the reason."""
+    from flash_attn_hub.cli import main
+    monkeypatch.setenv(bench_env.GIT_SHA_ENV, "0123456789ab")
+    into = tmp_path / "page"
+    assert main(["bench", "--kernel-dir", str(Path(flash_attn.__file__).parent), "--into", str(into),
+                 "--warmup-ms", "1", "--rep-ms", "2", "--no-progress", "--grid", "softcap", "--modes", "fwd",
+                 "--match", "s128"]) == 0
+    out = capsys.readouterr().out
+    assert "instead of --grid softcap, the tiny CPU grid runs (cpu-softcap:" in out
+    assert "SDPA has no logit soft-capping" in out
+    records, skips = report.load(into)
+    assert {(r["provider"], r["grid"], r["softcap"]) for r in records} == {("ours-cpu", "cpu-softcap", 50.0)}
+    assert [s["reason"] for s in skips] == ["SDPA has no logit soft-capping"]
+    assert "causal cap50" in (into / "RESULTS.md").read_text()
 
 
 def test_cli_kvcache_grid_on_cpu(flash_attn, tmp_path, capsys, monkeypatch):

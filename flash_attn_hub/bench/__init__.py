@@ -8,6 +8,7 @@ verified against ``flash_attn_hub.reference`` first, written as a results page.
     python -m flash_attn_hub bench --into benchmarks/ --head-dims 256 --append
     python -m flash_attn_hub bench --into /tmp/b --grid varlen --modes fwd --providers ours-triton,flex
     python -m flash_attn_hub bench --into /tmp/kv --grid kvcache   # flash_attn_with_kvcache decode steps
+    python -m flash_attn_hub bench --into /tmp/sc --grid softcap   # Gemma 2's logit soft-capping
 
 The page (``report.py``): ``RESULTS.md``, ``results.csv`` and ``plots/*.png`` in ``--into``,
 replacing what was there; ``--append`` adds to it instead. The release page is
@@ -21,15 +22,20 @@ Our package is loaded the way users load it, through ``kernels``: a local build
 (``--kernel-dir``, default ``build/``, built with ``build_variant`` when missing) or a Hub
 repository (``--repo-id`` with ``--version``/``--revision``, ``--endpoint`` for a
 Hub-compatible server). Without a GPU it runs a tiny CPU grid (our CPU backend against
-SDPA's math backend; ``cpu-kvcache`` stands in for the kv-cache grids): a check of the
-pipeline, not a measurement of the kernels. The data is saved after every workload, so a
-command stopped by a time limit keeps what it finished.
+SDPA's math backend; ``cpu-kvcache`` stands in for the kv-cache grids, ``cpu-softcap`` for
+the softcap grid): a check of the pipeline, not a measurement of the kernels. The data is
+saved after every workload, so a command stopped by a time limit keeps what it finished.
 
 The kv-cache grid (``kvcache``; ``kvcache-quick`` is its corners) times decode steps of
 ``flash_attn_with_kvcache`` (paged and contiguous caches, multi-token decode) against SDPA
 cuDNN / flash on the contiguous cache and FlashInfer's paged decode when installed, inside
 CUDA graphs, with their GB/s against a device copy and the eager host time per call; see the
 page's Method.
+
+The softcap grid (``softcap``) is Gemma 2's attention with its logits capped at 50 (D=256 16/8
+and D=128 32/16 heads, causal at 4k and 8k, a 4k window at 8k) against the peers that cap:
+FlashAttention-4, FlexAttention (a ``score_mod``) and flash-attn 2 / 3; SDPA has no
+soft-capping and is skipped there.
 """
 
 from __future__ import annotations
@@ -163,6 +169,9 @@ def run(args) -> int:
         print(f"No CUDA GPU here: instead of --grid {args.grid}, the tiny CPU grid runs ({','.join(grids)}: our "
               "CPU backend against SDPA math on CPU). It checks the benchmark pipeline; GPU numbers need a GPU.",
               flush=True)
+        if "cpu-softcap" in grids:
+            print("cpu-softcap: SDPA has no soft-capping, so ours is checked against the oracle there, without "
+                  "a peer to compare with.", flush=True)
     names = args.providers or list(GPU_DEFAULT if cuda else CPU_DEFAULT)
     try:
         workloads = grid_workloads(grids, seqlens=args.seqlens, head_dims=args.head_dims, match=args.match)

@@ -257,6 +257,21 @@ def _grid_window():
             for h, hkv in ((16, 16), (32, 8)) for s in (8192, 16384)]
 
 
+# Gemma 2's attention: logits capped at 50 (``attn_logit_softcapping``), GQA 2:1, global causal
+# layers alternating with 4k sliding-window ones. 9B: 16/8 heads of 256; 27B: 32/16 heads of 128.
+GEMMA2_SOFTCAP = 50.0
+GEMMA2_HEADS = ((256, 16, 8), (128, 32, 16))  # (D, Hq, Hkv)
+
+
+def _grid_softcap():
+    """Gemma 2 shapes with soft-capping at 50, 16k tokens per batch: its global (causal) layers at
+    4k and 8k tokens, and its local (4k sliding window) layers at 8k, where the window is narrower
+    than the sequence."""
+    return [_square("softcap", s, d, hq, True, hkv=hkv, softcap=GEMMA2_SOFTCAP, **window)
+            for d, hq, hkv in GEMMA2_HEADS
+            for s, window in ((4096, {}), (8192, {}), (8192, dict(window_left=4095, window_right=0)))]
+
+
 def _grid_cpu():
     """Tiny shapes for a machine without a GPU: checks the pipeline, not the kernels' speed."""
     return [
@@ -267,6 +282,18 @@ def _grid_cpu():
         Workload("cpu", 2, 64, 192, 4, 2, 64, True),
         Workload("cpu", 3, 113, 113, 4, 2, 64, True, seqlens=(37, 113, 90), mix="docs"),
     ]
+
+
+def _grid_cpu_softcap():
+    """The softcap grid's kinds of cells, tiny, for a machine without a GPU: no CPU peer caps
+    logits (SDPA has no soft-capping, FlexAttention no CPU backward), so these check our path
+    and the oracle's (verification fails when the cap is dropped), not a ratio; the ``cpu``
+    grid keeps its comparison with SDPA whole."""
+    return [Workload("cpu-softcap", 2, 128, 128, 4, 2, 64, True, softcap=GEMMA2_SOFTCAP),
+            Workload("cpu-softcap", 2, 256, 256, 4, 2, 64, True, window_left=95, window_right=0,
+                     softcap=GEMMA2_SOFTCAP),
+            Workload("cpu-softcap", 3, 113, 113, 4, 2, 64, True, seqlens=(37, 113, 90), mix="docs",
+                     softcap=GEMMA2_SOFTCAP)]
 
 
 def _grid_cpu_kvcache():
@@ -281,20 +308,23 @@ GRIDS = {
     "varlen": _grid_varlen,
     "decode": _grid_decode,
     "window": _grid_window,
+    "softcap": _grid_softcap,
     "kvcache": _grid_kvcache,
     "kvcache-quick": _grid_kvcache_quick,
     "cpu": _grid_cpu,
+    "cpu-softcap": _grid_cpu_softcap,
     "cpu-kvcache": _grid_cpu_kvcache,
 }
-ALL_GRIDS = ("main", "varlen", "decode", "window", "kvcache")  # what "all" means: every GPU grid
-CPU_GRIDS = ("cpu", "cpu-kvcache")
+ALL_GRIDS = ("main", "varlen", "decode", "window", "softcap", "kvcache")  # what "all" means: every GPU grid
+CPU_GRIDS = ("cpu", "cpu-softcap", "cpu-kvcache")
+CPU_STAND_INS = {"softcap": "cpu-softcap", "kvcache": "cpu-kvcache", "kvcache-quick": "cpu-kvcache"}
 
 
 def cpu_stand_ins(names) -> list[str]:
     """The tiny CPU grids that stand in for ``names`` on a machine without a GPU: the
-    kv-cache grids' is ``cpu-kvcache``, every other grid's ``cpu``."""
-    return list(dict.fromkeys(n if n in CPU_GRIDS else "cpu-kvcache" if n.startswith("kvcache") else "cpu"
-                              for n in names))
+    kv-cache grids' is ``cpu-kvcache``, the softcap grid's ``cpu-softcap``, every other
+    grid's ``cpu``."""
+    return list(dict.fromkeys(n if n in CPU_GRIDS else CPU_STAND_INS.get(n, "cpu") for n in names))
 
 
 def grid_names(spec) -> list[str]:
