@@ -554,7 +554,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       local_tile(sQt, Shape<Int<kDkv>, Int<M>, Int<S>>{}, make_coord(col_wg, 0, 0)));
   Tensor tSrS = partition_fragment_C(mma_sdp, Shape<_64, Int<M>>{});
   Tensor tSrDp = partition_fragment_C(mma_sdp, Shape<_64, Int<M>>{});
-  Tensor tSrT = make_fragment_like(tSrS);  // softcap's t; unused (and removed) otherwise
+  // softcap's factor 1 - t^2 for dS, two entries of S^T per fp16 pair: half the registers of a
+  // copy of t, which spilled inside the step loop at D=128 and 256. fp16's rounding of a value in
+  // [0, 1] (2^-11 relative) is below that of dS itself, rounded to the element type after.
+  __half2 tSrCap[Traits::kSoftcap ? decltype(size(tSrS))::value / 2 : 1];
   Tensor tDvrDv = partition_fragment_C(mma_dkv, Shape<_64, Int<kDkv>>{});
   Tensor tDkrDk = partition_fragment_C(mma_dkv, Shape<_64, Int<kDkv>>{});
   Tensor tPa = make_tensor<Element>(AOperandShape<M / 8>{});
@@ -627,7 +630,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       score_mod.apply(tSrS);
       if constexpr (Traits::kSoftcap) {
         CUTE_UNROLL
-        for (int i = 0; i < size(tSrS); ++i) tSrT(i) = tSrS(i);
+        for (int i = 0; i < size(tSrS) / 2; ++i) {
+          const float t0 = tSrS(2 * i), t1 = tSrS(2 * i + 1);
+          tSrCap[i] = __floats2half2_rn(fmaf(-t0, t0, 1.f), fmaf(-t1, t1, 1.f));
+        }
       }
       // [Note] Row statistics one group ahead
       float2 lse_next = ld_shared_float2(lse_s);
@@ -680,8 +686,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
             const auto at = make_coord(c0, c1, g);
             float ds = tSrS(at, 0, 0) * (tSrDp(at, 0, 0) - (c0 == 0 ? delta.x : delta.y));
             if constexpr (Traits::kSoftcap) {
-              const float t = tSrT(at, 0, 0);
-              ds *= 1.f - t * t;
+              const float2 cap = __half22float2(tSrCap[c1 + 2 * g]);  // entry c0 + 2 c1 + 4 g
+              ds *= c0 == 0 ? cap.x : cap.y;
             }
             tSrDp(at, 0, 0) = ds;
           }

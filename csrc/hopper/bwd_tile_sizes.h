@@ -12,8 +12,9 @@ struct BwdTileSize;
 
 // M=128 ([Note] dQ by query rows in bwd_traits.h): K+V 32 KB + 2 stages x (Q+dO) 32 KB + dS 32
 // KB + dQ 32 KB = 160 KB; registers S^T + dP^T + dK + dV = 64 + 64 + 32 + 32 per thread, K and V
-// read from shared memory. Softcap keeps M=64 (96 KB, K and V in registers): its copy of t is
-// another 64 registers, and at M=128 ptxas spilled 100-150 bytes inside the step loop.
+// read from shared memory. Softcap keeps M=64 (96 KB, K and V in registers): its factor 1 - t^2
+// is another 32 registers (fp16 pairs), and at M=128 ptxas spilled 64-112 bytes, 12-20 stores of
+// them inside the step loop.
 template <> struct BwdTileSize<64> {
   static constexpr int kBlockM = 128, kBlockMSoftcap = 64, kBlockN = 128, kStages = 2;
 };

@@ -60,9 +60,9 @@ BWD_TILES = {
     64: (128, 64, 128, 2, "M=128 ([Note] dQ by query rows in bwd_traits.h): K+V 32 KB + 2 stages "
                           "x (Q+dO) 32 KB + dS 32 KB + dQ 32 KB = 160 KB; registers S^T + dP^T + "
                           "dK + dV = 64 + 64 + 32 + 32 per thread, K and V read from shared memory. "
-                          "Softcap keeps M=64 (96 KB, K and V in registers): its copy of t is "
-                          "another 64 registers, and at M=128 ptxas spilled 100-150 bytes inside "
-                          "the step loop."),
+                          "Softcap keeps M=64 (96 KB, K and V in registers): its factor 1 - t^2 "
+                          "is another 32 registers (fp16 pairs), and at M=128 ptxas spilled "
+                          "64-112 bytes, 12-20 stores of them inside the step loop."),
     96: (64, 64, 128, 2, "K+V 48 KB + 2 stages x (Q+dO) 24 KB + dS 16 KB + dQ 24 KB = 136 KB; 32-byte "
                      "swizzle (48 dQ columns per consumer = 3 chunks)."),
     128: (64, 64, 128, 2, "K+V 64 KB + 2 stages x (Q+dO) 32 KB + dS 16 KB + dQ 32 KB = 176 KB; "
