@@ -6,7 +6,7 @@
 #   bash tools/gpu_run.sh [setup] [build] [lab] [test] [sanitize] [bench] [ab] [host] [hub] [train]
 #
 # setup     installs the wheels carried in .whl/ (what the GPU image lacks: kernels,
-#           huggingface_hub, nvidia-cutlass, ...) into /tmp/site, and FlashAttention-4 and
+#           huggingface_hub, nvidia-cutlass, ...) and .whl-transformers/ into /tmp/site, and FlashAttention-4 and
 #           FlashInfer from the two halves of .fa4/ and .flashinfer/ (tools/README.md) when they
 #           are there; records GPU and versions.
 #           Every call needs it: what it exports does not outlive the call.
@@ -74,11 +74,16 @@ run_phase() {
 for phase in "${phases[@]}"; do
   case $phase in
     setup)
-      if [[ -d .whl ]]; then
+      # .whl-transformers/ (transformers 5.22: the image's 5.17 refuses the carried
+      # huggingface_hub 2.x) only where transformers runs: the GPU tests, hub, train. A later call
+      # on the same warm machine may leave either behind (to carry .fa4/b, say): /tmp/site stays
+      # from the call that installed it.
+      for wheels in .whl .whl-transformers; do
+        [[ -d $wheels ]] || continue
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-          --target /tmp/site .whl/*.whl || exit 1
-        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-      fi
+          --target /tmp/site "$wheels"/*.whl || exit 1
+      done
+      [[ -d /tmp/site ]] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       export CUTLASS_INCLUDE=${CUTLASS_INCLUDE:-/tmp/site/cutlass_library/source/include}
       # FlashAttention-4 travels in two halves (over one call's carry limit): a call carrying
       # .fa4/a leaves the first in /root/fa4, a later call carrying .fa4/b installs both.
