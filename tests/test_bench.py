@@ -854,3 +854,35 @@ def test_cli_kvcache_grid_on_cpu(flash_attn, tmp_path, capsys, monkeypatch):
     # the page names the commands that measured it, the appended one too
     assert "Measured by these commands" in text
     assert "- `python -m flash_attn_hub bench " in text and "--grid kvcache" in text and "--append`" in text
+
+
+def test_resume_measures_only_what_the_page_lacks(flash_attn, tmp_path, capsys, monkeypatch):
+    """``--resume`` (a command stopped by a time limit, run again) leaves out the workloads on the
+    page in every requested mode, and starts a page where there is none."""
+    from flash_attn_hub.cli import main
+    monkeypatch.setenv(bench_env.GIT_SHA_ENV, "0123456789ab")
+    into = tmp_path / "page"
+    args = ["bench", "--kernel-dir", str(Path(flash_attn.__file__).parent), "--into", str(into),
+            "--warmup-ms", "1", "--rep-ms", "2", "--no-progress", "--resume"]
+    assert main([*args, "--modes", "fwd", "--match", "s128-full"]) == 0  # no page yet: a new one
+    records, _ = report.load(into)
+    first = {(r["workload"], r["mode"]) for r in records}
+    assert first and {m for _, m in first} == {"fwd"}
+    capsys.readouterr()
+    assert main([*args, "--modes", "fwd,bwd", "--match", "s128-full|s256-full"]) == 0
+    out = capsys.readouterr().out
+    assert "--resume: 0 of 2 workloads are on the page already" in out  # s128-full lacks bwd
+    records, _ = report.load(into)
+    assert {(r["seqlen_k"], r["mode"]) for r in records} == {(128, "fwd"), (128, "bwd"),
+                                                              (256, "fwd"), (256, "bwd")}
+    assert main([*args, "--modes", "fwd", "--match", "s128-full|s256-full|s128-causal"]) == 0
+    out = capsys.readouterr().out
+    assert "--resume: 2 of 3 workloads are on the page already" in out
+    measured = {(r["workload"], r["mode"]) for r in report.load(into)[0]}
+    assert len(measured) == 5 and any("s128-causal" in w for w, _ in measured)
+    assert main([*args, "--modes", "fwd"]) == 0  # the whole CPU grid: measures the rest
+    before = {(r["workload"], r["mode"], r["ms_p50"]) for r in report.load(into)[0]}
+    assert main([*args, "--modes", "fwd"]) == 0
+    assert "nothing left to measure" in capsys.readouterr().out
+    assert {(r["workload"], r["mode"], r["ms_p50"]) for r in report.load(into)[0]} == before
+    assert (into / "RESULTS.md").exists()

@@ -63,6 +63,32 @@ def test_ab_phase_passes_its_arguments_and_archives_the_pages(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["ab.tgz", "logs.tgz"]
 
 
+def test_page_phase_runs_the_release_commands_with_resume_and_stops_out_of_time(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_PYTHON)
+    (bin_dir / "python3").chmod(0o755)
+    out, page, calls = tmp_path / "out", tmp_path / "page", tmp_path / "calls"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "BENCH_PAGE": str(page),
+           "CALLS": str(calls)}
+    script = str(REPO_ROOT / "tools" / "gpu_run.sh")
+    done = subprocess.run(["bash", script, "page"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = calls.read_text().splitlines()
+    prefix = f"-m flash_attn_hub bench --into {page} --kernel-dir build --no-progress --resume "
+    assert [line.removeprefix(prefix).split(" --providers")[0] for line in lines] == [
+        "--head-dims 128", "--head-dims 64", "--head-dims 256", "--grid softcap"]
+    assert all(line.startswith(prefix) and "fa4" in line for line in lines)
+    with tarfile.open(out / "bench.tgz") as tar:
+        assert "./results.csv" in tar.getnames()
+    calls.unlink()
+    # no time left (PAGE_UNTIL already passed): nothing runs and the call says so
+    done = subprocess.run(["bash", script, "page"], env={**env, "PAGE_UNTIL": "10"}, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1 and "page: no time left for step 0" in done.stdout
+    assert not calls.exists()
+
+
 # Stands in for python3 in the build phase: the build reports whether the carried object is in
 # the cache, adds one of its own and prints the variant path last; check passes.
 FAKE_BUILD_PYTHON = """#!/usr/bin/env bash

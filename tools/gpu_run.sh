@@ -3,7 +3,7 @@
 # peers, publish it to an embedded Hub and load it back, and train. Phases run in the order
 # given (default: setup build test bench hub):
 #
-#   bash tools/gpu_run.sh [setup] [build] [lab] [test] [sanitize] [bench] [ab] [host] [hub] [train]
+#   bash tools/gpu_run.sh [setup] [build] [lab] [test] [sanitize] [bench] [page] [ab] [host] [hub] [train]
 #
 # setup     installs the wheels carried in .whl/ (what the GPU image lacks: kernels,
 #           huggingface_hub, nvidia-cutlass, ...) and .whl-transformers/ into /tmp/site, and FlashAttention-4 and
@@ -27,6 +27,10 @@
 #           archived to $OUT/bench.tgz; unpacked into benchmarks/ it is the release page. The
 #           release grid takes one call per head dim: BENCH_ARGS="--head-dims 64", then
 #           "--head-dims 128 --append", "--head-dims 256 --append" (each call runs setup too).
+# page      the release page: bench's commands for it (PAGE_STEPS below) in order, each with
+#           --resume, into $BENCH_PAGE, until PAGE_UNTIL seconds (default 570) after this script
+#           started; what a call leaves undone the next call on the same warm machine goes on with
+#           (PAGE_FRESH=1 starts a new page). Archived to $OUT/bench.tgz like bench's.
 # ab        python -m tools.ab_bench with AB_ARGS: run-time variants of one build A/B'd in
 #           alternating bench processes (tools/ab_bench.py), archived to $OUT/ab.tgz.
 # host      python -m tools.host_overhead HOST_ROUNDS times (default 3) with HOST_ARGS (default
@@ -173,6 +177,20 @@ for phase in "${phases[@]}"; do
       # shellcheck disable=SC2086
       run_phase bench timeout "${BENCH_TIMEOUT:-570}" python3 -m flash_attn_hub bench --into "$BENCH_PAGE" \
         --kernel-dir build --no-progress ${BENCH_ARGS:-}
+      [[ -f $BENCH_PAGE/results.csv ]] && tar czf "$OUT/bench.tgz" -C "$BENCH_PAGE" .
+      ;;
+    page)
+      [[ ${PAGE_FRESH:-0} == 1 ]] && rm -rf "$BENCH_PAGE"
+      peers=ours-cuda,ours-triton,fa4,sdpa-cudnn,flex
+      PAGE_STEPS=("--head-dims 128 --providers $peers" "--head-dims 64 --providers $peers"
+                  "--head-dims 256 --providers $peers" "--grid softcap --providers ours-cuda,ours-triton,fa4,flex")
+      for i in "${!PAGE_STEPS[@]}"; do
+        left=$((${PAGE_UNTIL:-570} - SECONDS))
+        if ((left < 30)); then log "page: no time left for step $i (${PAGE_STEPS[$i]})"; status=1; break; fi
+        # shellcheck disable=SC2086
+        run_phase "page-$i" timeout "$left" python3 -m flash_attn_hub bench --into "$BENCH_PAGE" \
+          --kernel-dir build --no-progress --resume ${PAGE_STEPS[$i]} || break
+      done
       [[ -f $BENCH_PAGE/results.csv ]] && tar czf "$OUT/bench.tgz" -C "$BENCH_PAGE" .
       ;;
     ab)

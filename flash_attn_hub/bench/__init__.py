@@ -11,7 +11,9 @@ verified against ``flash_attn_hub.reference`` first, written as a results page.
     python -m flash_attn_hub bench --into /tmp/sc --grid softcap   # Gemma 2's logit soft-capping
 
 The page (``report.py``): ``RESULTS.md``, ``results.csv`` and ``plots/*.png`` in ``--into``,
-replacing what was there; ``--append`` adds to it instead. The release page is
+replacing what was there; ``--append`` adds to it instead, and ``--resume`` continues a command
+stopped part way (by a machine's time limit, say) by leaving out the workloads already on the
+page. The release page is
 ``benchmarks/``, with the GPU, torch, triton, cuDNN, FlashAttention-4 and git sha recorded in
 it. The release grid is 30 workloads per head dim; with every provider, FlexAttention
 compiling one graph per shape, that is several minutes per head dim on an H100 or H200
@@ -78,6 +80,10 @@ def register(subparsers) -> None:
     p.add_argument("--append", action="store_true",
                    help="add to the page in --into (same GPU and software) instead of replacing it; a "
                         "workload and mode measured again replaces the old numbers whole")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the page in --into (implies --append; a new page where there is none): "
+                        "the workloads it already has in every requested mode are left out, so a "
+                        "command stopped by a time limit goes on where it stopped when run again")
     p.add_argument("--grid", default="main",
                    help=f"workload grids, comma-separated: {', '.join(g for g in GRIDS if g not in CPU_GRIDS)}, "
                         "or all (default: main, the release grid; without a GPU the tiny CPU grids run)")
@@ -149,7 +155,7 @@ def run(args) -> int:
 
     from .env import environment, git_sha
     from .providers import CPU_DEFAULT, GPU_DEFAULT, make_providers
-    from .report import PageError, clear_page, combine, load, mismatches, write_data, write_page
+    from .report import RESULTS_CSV, PageError, clear_page, combine, load, mismatches, write_data, write_page
     from .runner import available, run_suite
     from .timing import Timing
     from .workloads import cpu_stand_ins, grid_names, grid_workloads
@@ -183,6 +189,8 @@ def run(args) -> int:
         print(f"--seqlens/--head-dims/--match leave no workload in grid {','.join(grids)!r}")
         return 2
     old_records, old_skips = [], []
+    if args.resume and (Path(args.into) / RESULTS_CSV).is_file():
+        args.append = True
     if args.append:
         try:
             old_records, old_skips = load(args.into)
@@ -208,6 +216,15 @@ def run(args) -> int:
     if clash:
         print(f"--append: {args.into} was measured elsewhere ({clash}); measure the whole page here instead")
         return 2
+    if args.resume:  # a workload's results are saved once all of its cells are measured
+        done = {(r["workload"], r["mode"]) for r in old_records}
+        left = [w for w in workloads if not all((w.name, m) in done for m in args.modes)]
+        print(f"--resume: {len(workloads) - len(left)} of {len(workloads)} workloads are on the page already",
+              flush=True)
+        workloads = left
+        if not workloads:
+            print(f"--resume: nothing left to measure -> {write_page(args.into, old_records, old_skips)}")
+            return 0
     providers = make_providers(names, ours, reason, explicit=args.providers is not None)
     usable, unavailable = available(providers, device)
     if not args.append:
