@@ -24,11 +24,17 @@ fi
 """
 
 
-def test_bench_phase_archives_the_page_and_the_logs(tmp_path):
+def _fake_python(tmp_path, script: str):
+    """A folder holding ``script`` as ``python3``, to put first on PATH."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "python3").write_text(FAKE_PYTHON)
+    (bin_dir / "python3").write_text(script)
     (bin_dir / "python3").chmod(0o755)
+    return bin_dir
+
+
+def test_bench_phase_archives_the_page_and_the_logs(tmp_path):
+    bin_dir = _fake_python(tmp_path, FAKE_PYTHON)
     out, page, calls = tmp_path / "out", tmp_path / "page", tmp_path / "calls"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "BENCH_PAGE": str(page),
            "CALLS": str(calls), "BENCH_ARGS": "--head-dims 256 --append"}
@@ -46,10 +52,7 @@ def test_bench_phase_archives_the_page_and_the_logs(tmp_path):
 
 
 def test_ab_phase_passes_its_arguments_and_archives_the_pages(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(FAKE_PYTHON)
-    (bin_dir / "python3").chmod(0o755)
+    bin_dir = _fake_python(tmp_path, FAKE_PYTHON)
     out, calls = tmp_path / "out", tmp_path / "calls"
     args = "--variant old=FAH_X=0 --variant new= -- --grid main --modes bwd"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out),
@@ -64,10 +67,7 @@ def test_ab_phase_passes_its_arguments_and_archives_the_pages(tmp_path):
 
 
 def test_page_phase_runs_the_release_commands_with_resume_and_stops_out_of_time(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(FAKE_PYTHON)
-    (bin_dir / "python3").chmod(0o755)
+    bin_dir = _fake_python(tmp_path, FAKE_PYTHON)
     out, page, calls = tmp_path / "out", tmp_path / "page", tmp_path / "calls"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "BENCH_PAGE": str(page),
            "CALLS": str(calls)}
@@ -103,10 +103,7 @@ fi
 
 
 def test_build_phase_reuses_carried_objects_and_sends_them_back(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(FAKE_BUILD_PYTHON)
-    (bin_dir / "python3").chmod(0o755)
+    bin_dir = _fake_python(tmp_path, FAKE_BUILD_PYTHON)
     carried = tmp_path / "carried" / "obj" / "carried"
     carried.mkdir(parents=True)
     (carried / "obj.o").write_text("")
@@ -185,7 +182,7 @@ def test_lab_phase_builds_the_overlay_and_puts_the_tree_back(tmp_path):
     """The lab build sees .lab/'s files laid over the tree (a changed one and an added one);
     afterwards its variant is in LAB_DIR, build/ holds the main build again (its cache untouched)
     and the tree is as it was, the added file gone."""
-    repo, bin_dir, lab = tmp_path / "repo", tmp_path / "bin", tmp_path / "lab"
+    repo, lab = tmp_path / "repo", tmp_path / "lab"
     (repo / "tools").mkdir(parents=True)
     shutil.copy(REPO_ROOT / "tools" / "gpu_run.sh", repo / "tools" / "gpu_run.sh")
     (repo / "csrc").mkdir()
@@ -197,9 +194,7 @@ def test_lab_phase_builds_the_overlay_and_puts_the_tree_back(tmp_path):
     (repo / ".lab" / "csrc").mkdir(parents=True)
     (repo / ".lab" / "csrc" / "kernel.h").write_text("lab\n")
     (repo / ".lab" / "csrc" / "added.h").write_text("")
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(FAKE_LAB_PYTHON)
-    (bin_dir / "python3").chmod(0o755)
+    bin_dir = _fake_python(tmp_path, FAKE_LAB_PYTHON)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
            "LAB_DIR": str(lab)}
     done = subprocess.run(["bash", str(repo / "tools" / "gpu_run.sh"), "lab"], env=env,
