@@ -886,3 +886,6 @@ def test_resume_measures_only_what_the_page_lacks(flash_attn, tmp_path, capsys, 
     assert "nothing left to measure" in capsys.readouterr().out
     assert {(r["workload"], r["mode"], r["ms_p50"]) for r in report.load(into)[0]} == before
     assert (into / "RESULTS.md").exists()
+    assert main([*args, "--modes", "fwd", "--match", "s128-full", "--dtype", "fp16"]) == 0  # another dtype
+    assert "--resume: 0 of 1 workloads are on the page already" in capsys.readouterr().out
+    assert {r["dtype"] for r in report.load(into)[0]} == {"bf16", "fp16"}

@@ -217,8 +217,8 @@ def run(args) -> int:
         print(f"--append: {args.into} was measured elsewhere ({clash}); measure the whole page here instead")
         return 2
     if args.resume:  # a workload's results are saved once all of its cells are measured
-        done = {(r["workload"], r["mode"]) for r in old_records}
-        left = [w for w in workloads if not all((w.name, m) in done for m in args.modes)]
+        done = {(r["workload"], r["mode"], r["dtype"]) for r in old_records}
+        left = [w for w in workloads if not all((w.name, m, args.dtype) in done for m in args.modes)]
         print(f"--resume: {len(workloads) - len(left)} of {len(workloads)} workloads are on the page already",
               flush=True)
         workloads = left
