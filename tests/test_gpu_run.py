@@ -167,6 +167,30 @@ def test_setup_takes_flashinfer_in_two_calls(tmp_path):
     assert sum(line.startswith("install") for line in calls.read_text().splitlines()) == 1
 
 
+def test_setup_unpacks_carried_cutlass_headers_once(tmp_path):
+    repo, inc = tmp_path / "repo", tmp_path / "site" / "include"
+    (repo / "tools").mkdir(parents=True)
+    shutil.copy(REPO_ROOT / "tools" / "gpu_run.sh", repo / "tools" / "gpu_run.sh")
+    headers = tmp_path / "headers"
+    (headers / "cute").mkdir(parents=True)
+    (headers / "cute" / "tensor.hpp").write_text("// cute\n")
+    (repo / ".whl").mkdir()
+    with tarfile.open(repo / ".whl" / "cutlass-include.tar.xz", "w:xz") as tar:
+        tar.add(headers, arcname=".")
+    bin_dir = _fake_python(tmp_path, FAKE_SETUP_PYTHON)
+    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\necho gpu\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+           "CALLS": str(tmp_path / "calls"), "CUTLASS_INCLUDE": str(inc)}
+    script = str(repo / "tools" / "gpu_run.sh")
+    done = subprocess.run(["bash", script, "setup"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (inc / "cute" / "tensor.hpp").read_text() == "// cute\n"
+    (inc / "cute" / "tensor.hpp").write_text("kept")  # a warm machine's headers are not unpacked again
+    done = subprocess.run(["bash", script, "setup"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and (inc / "cute" / "tensor.hpp").read_text() == "kept"
+
+
 # Stands in for python3 in the lab phase: the build records what the overlaid source held and
 # writes a variant holding it, printing the variant's path last.
 FAKE_LAB_PYTHON = """#!/usr/bin/env bash

@@ -6,7 +6,7 @@
 #   bash tools/gpu_run.sh [setup] [build] [lab] [test] [sanitize] [bench] [page] [ab] [host] [hub] [train]
 #
 # setup     installs the wheels carried in .whl/ (what the GPU image lacks: kernels,
-#           huggingface_hub, nvidia-cutlass, ...) and .whl-transformers/ into /tmp/site, and FlashAttention-4 and
+#           huggingface_hub, CUTLASS's headers, ...) and .whl-transformers/ into /tmp/site, and FlashAttention-4 and
 #           FlashInfer from the two halves of .fa4/ and .flashinfer/ (tools/README.md) when they
 #           are there; records GPU and versions.
 #           Every call needs it: what it exports does not outlive the call.
@@ -83,12 +83,16 @@ for phase in "${phases[@]}"; do
       # on the same warm machine may leave either behind (to carry .fa4/b, say): /tmp/site stays
       # from the call that installed it.
       for wheels in .whl .whl-transformers; do
-        [[ -d $wheels ]] || continue
+        compgen -G "$wheels/*.whl" >/dev/null || continue
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
           --target /tmp/site "$wheels"/*.whl || exit 1
       done
       [[ -d /tmp/site ]] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       export CUTLASS_INCLUDE=${CUTLASS_INCLUDE:-/tmp/site/cutlass_library/source/include}
+      # CUTLASS's headers alone (tools/cutlass-headers.sh), where the nvidia-cutlass wheel is not
+      if [[ -f .whl/cutlass-include.tar.xz && ! -d $CUTLASS_INCLUDE/cute ]]; then
+        mkdir -p "$CUTLASS_INCLUDE" && tar -xJf .whl/cutlass-include.tar.xz -C "$CUTLASS_INCLUDE" || exit 1
+      fi
       # FlashAttention-4 travels in two halves (over one call's carry limit): a call carrying
       # .fa4/a leaves the first in /root/fa4, a later call carrying .fa4/b installs both.
       if [[ -f .fa4/a/part.00 ]]; then

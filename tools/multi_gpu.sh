@@ -60,6 +60,9 @@ else  # the GPU image: its python plus the carried wheels
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
   export CUTLASS_INCLUDE=${CUTLASS_INCLUDE:-/tmp/site/cutlass_library/source/include}
+  if [[ -f .whl/cutlass-include.tar.xz && ! -d $CUTLASS_INCLUDE/cute ]]; then  # tools/cutlass-headers.sh
+    mkdir -p "$CUTLASS_INCLUDE" && tar -xJf .whl/cutlass-include.tar.xz -C "$CUTLASS_INCLUDE" || exit 1
+  fi
 fi
 "$PY" -c "import torch, transformers, trl, accelerate, datasets, kernels; print('torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__, '| accelerate', accelerate.__version__, '| datasets', datasets.__version__, '| kernels', kernels.__version__, '| GPUs', torch.cuda.device_count())" \
   | tee "$OUT/versions.txt" || exit 1
