@@ -79,6 +79,7 @@ def test_page_phase_runs_the_release_commands_with_resume_and_stops_out_of_time(
     assert [line.removeprefix(prefix).split(" --providers")[0] for line in lines] == [
         "--head-dims 128", "--head-dims 64", "--head-dims 256", "--grid softcap"]
     assert all(line.startswith(prefix) and "fa4" in line for line in lines)
+    assert "page: complete, all 4 steps" in done.stdout
     with tarfile.open(out / "bench.tgz") as tar:
         assert "./results.csv" in tar.getnames()
     calls.unlink()
@@ -86,6 +87,7 @@ def test_page_phase_runs_the_release_commands_with_resume_and_stops_out_of_time(
     done = subprocess.run(["bash", script, "page"], env={**env, "PAGE_UNTIL": "10"}, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 1 and "page: no time left for step 0" in done.stdout
+    assert "page: 0 of 4 steps done; the page phase again goes on from there" in done.stdout
     assert not calls.exists()
 
 

@@ -188,13 +188,20 @@ for phase in "${phases[@]}"; do
       peers=ours-cuda,ours-triton,fa4,sdpa-cudnn,flex
       PAGE_STEPS=("--head-dims 128 --providers $peers" "--head-dims 64 --providers $peers"
                   "--head-dims 256 --providers $peers" "--grid softcap --providers ours-cuda,ours-triton,fa4,flex")
+      steps_done=0
       for i in "${!PAGE_STEPS[@]}"; do
         left=$((${PAGE_UNTIL:-570} - SECONDS))
         if ((left < 30)); then log "page: no time left for step $i (${PAGE_STEPS[$i]})"; status=1; break; fi
         # shellcheck disable=SC2086
         run_phase "page-$i" timeout "$left" python3 -m flash_attn_hub bench --into "$BENCH_PAGE" \
           --kernel-dir build --no-progress --resume ${PAGE_STEPS[$i]} || break
+        steps_done=$((i + 1))
       done
+      if ((steps_done == ${#PAGE_STEPS[@]})); then
+        log "page: complete, all $steps_done steps"
+      else
+        log "page: $steps_done of ${#PAGE_STEPS[@]} steps done; the page phase again goes on from there"
+      fi
       [[ -f $BENCH_PAGE/results.csv ]] && tar czf "$OUT/bench.tgz" -C "$BENCH_PAGE" .
       ;;
     ab)
