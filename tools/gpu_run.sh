@@ -24,9 +24,9 @@
 # sanitize  compute-sanitizer's memcheck, racecheck and synccheck on the tests marked sanitize.
 # bench     python -m flash_attn_hub bench (the release grid unless BENCH_ARGS says otherwise)
 #           into $BENCH_PAGE (default /tmp/bench-page: it outlives the call on a warm machine),
-#           archived to $OUT/bench.tgz; unpacked into benchmarks/ it is the release page. The
-#           release grid takes one call per head dim: BENCH_ARGS="--head-dims 64", then
-#           "--head-dims 128 --append", "--head-dims 256 --append" (each call runs setup too).
+#           archived to $OUT/bench.tgz. One head dim of the release grid takes a call
+#           (BENCH_ARGS="--head-dims 64", then "--head-dims 128 --append", ...); the page phase
+#           runs the whole release page over as many calls as it needs.
 # page      the release page: bench's commands for it (PAGE_STEPS below) in order, each with
 #           --resume, into $BENCH_PAGE, until PAGE_UNTIL seconds (default 570) after this script
 #           started; what a call leaves undone the next call on the same warm machine goes on with
