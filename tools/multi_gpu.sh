@@ -54,7 +54,7 @@ elif [[ -x .venv/bin/python ]]; then
   PY=.venv/bin/python
 else  # the GPU image: its python plus the carried wheels
   PY=python3
-  if [[ -d .whl ]]; then
+  if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
